@@ -1,0 +1,228 @@
+"""The chunked GDN algorithm (chunk C = 64, fp32) in plain PyTorch: forward and backward.
+
+Device-agnostic implementation behind ``cake::gdn_fwd`` / ``cake::gdn_bwd`` wherever
+no CUDA kernel is registered. Everything that does not depend on the state is
+vectorised over chunks and heads; only the walk over chunk slots is a loop (one step
+covers every head). Notation (DESIGN.md §1), per chunk and value head:
+
+    gcum = chunk-local cumsum of g,  gl = gcum[-1],  D_ij = exp(gcum_i - gcum_j) (i >= j)
+    A = (I + tril(beta_i D_ij k_i.k_j, -1))^-1,  w = A (beta e^gcum k),  u = A (beta v)
+    v_new = u - w S,   S' = e^gl S + (e^(gl - gcum) k)^T v_new
+    o = scale (e^gcum q) S + scale tril(q k^T * D) v_new
+
+The backward recomputes the forward (nothing but the inputs is saved) and walks the
+state gradient dS back over the chunks; the remaining gradients are then chunk-local
+and vectorised again.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .varlen import ChunkLayout, chunk_layout, from_chunks, to_chunks
+
+CHUNK = 64
+L2NORM_EPS = 1e-6
+
+
+class _Prepared(NamedTuple):
+    """Per-chunk tensors that do not depend on the state. Shapes [NC, HV, C, ...]."""
+
+    layout: ChunkLayout
+    q: torch.Tensor  # normalised q, expanded to value heads, fp32 [NC, HV, C, K]
+    k: torch.Tensor  # [NC, HV, C, K]
+    v: torch.Tensor  # [NC, HV, C, V]
+    beta: torch.Tensor  # [NC, HV, C]
+    gcum: torch.Tensor  # [NC, HV, C]
+    decay: torch.Tensor  # D, [NC, HV, C, C], zero above the diagonal
+    kk: torch.Tensor  # k k^T, [NC, HV, C, C]
+    qk: torch.Tensor  # q k^T, [NC, HV, C, C]
+    A: torch.Tensor  # [NC, HV, C, C]
+    w: torch.Tensor  # [NC, HV, C, K]
+    u: torch.Tensor  # [NC, HV, C, V]
+    k_decayed: torch.Tensor  # e^(gl - gcum) k, [NC, HV, C, K]
+
+
+def _l2norm_fwd(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    rstd = torch.rsqrt((x * x).sum(-1, keepdim=True) + L2NORM_EPS)
+    return x * rstd, rstd
+
+
+def _l2norm_bwd(dy: torch.Tensor, y: torch.Tensor, rstd: torch.Tensor) -> torch.Tensor:
+    return (dy - y * (dy * y).sum(-1, keepdim=True)) * rstd
+
+
+def _per_value_head(x: torch.Tensor, G: int) -> torch.Tensor:
+    """[NC, H, ...] -> [NC, H*G, ...]: value head hv reads q/k head hv // G."""
+    return x if G == 1 else x.repeat_interleave(G, dim=1)
+
+
+def _per_qk_head(x: torch.Tensor, G: int) -> torch.Tensor:
+    """Sum a gradient over each GVA group, in a fixed order: [NC, H*G, ...] -> [NC, H, ...]."""
+    return x if G == 1 else x.unflatten(1, (-1, G)).sum(2)
+
+
+def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
+    T, H, K = q.shape
+    HV = v.shape[1]
+    G = HV // H
+    layout = chunk_layout(cu_seqlens, T, CHUNK)
+    qf, kf = q.float(), k.float()
+    rstd = None
+    if use_qk_l2norm:
+        (qf, rq), (kf, rk) = _l2norm_fwd(qf), _l2norm_fwd(kf)
+        rstd = (qf, rq, kf, rk)
+    qc, kc = to_chunks(qf, layout), to_chunks(kf, layout)  # [NC, H, C, K]
+    # K K^T and Q K^T are shared by the G value heads of a q/k head.
+    kk = _per_value_head(kc @ kc.transpose(-1, -2), G)
+    qk = _per_value_head(qc @ kc.transpose(-1, -2), G)
+    qc, kc = _per_value_head(qc, G), _per_value_head(kc, G)
+    vc = to_chunks(v.float(), layout)
+    bc = to_chunks(beta.float()[..., None], layout)[..., 0]  # [NC, HV, C]
+    gcum = to_chunks(g[..., None], layout)[..., 0].cumsum(-1)
+    C = CHUNK
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    # Mask the exponent before exp: above the diagonal gcum_i - gcum_j > 0 can overflow.
+    decay = (gcum[..., :, None] - gcum[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    L = (bc[..., :, None] * decay * kk).tril(-1)
+    eye = torch.eye(C, device=q.device)
+    A = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
+    w = A @ ((bc * gcum.exp())[..., None] * kc)
+    u = A @ (bc[..., None] * vc)
+    k_decayed = (gcum[..., -1:] - gcum).exp()[..., None] * kc
+    prep = _Prepared(layout, qc, kc, vc, bc, gcum, decay, kk, qk, A, w, u, k_decayed)
+    return prep, rstd
+
+
+def _walk(prep: _Prepared, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state walk over chunk slots. Returns (h [NC, HV, K, V] state at each chunk's
+    start, v_new [NC, HV, C, V], final state [N, HV, K, V])."""
+    lay = prep.layout
+    NC, HV = prep.gcum.shape[:2]
+    K, V = prep.w.shape[-1], prep.u.shape[-1]
+    gamma = prep.gcum[..., -1].exp()[..., None, None]  # [NC, HV, 1, 1]
+    h_start = h0[lay.doc]  # [NC, HV, K, V]: the state a slot starts from if it opens a document
+    after = prep.u.new_empty(NC, HV, K, V)
+    v_new = torch.empty_like(prep.u)
+    S = prep.u.new_zeros(HV, K, V)
+    for c in range(NC):
+        S = torch.where(lay.first[c], h_start[c], S)
+        v_new[c] = prep.u[c] - prep.w[c] @ S
+        S = gamma[c] * S + prep.k_decayed[c].transpose(-1, -2) @ v_new[c]
+        after[c] = S
+    before = torch.cat([after.new_zeros(1, HV, K, V), after[:-1]])
+    h = torch.where(lay.first[:, None, None, None], h_start, before)
+    final = torch.where(lay.doc_nonempty[:, None, None, None], after[lay.doc_last_slot], h0)
+    return h, v_new, final
+
+
+def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
+    """Chunked forward. Shapes as ``cake::gdn_fwd``; returns (o [T, HV, V] in v's dtype,
+    final_state [N, HV, K, V] fp32)."""
+    N = cu_seqlens.shape[0] - 1
+    HV, K, V = v.shape[1], q.shape[2], v.shape[2]
+    prep, _ = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=torch.float32)
+    h, v_new, final = _walk(prep, h0)
+    inter = (prep.gcum.exp()[..., None] * prep.q) @ h
+    intra = (prep.qk * prep.decay) @ v_new
+    o = from_chunks(scale * (inter + intra), prep.layout)
+    return o.to(v.dtype).contiguous(), final.contiguous()
+
+
+def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
+    """Chunked backward. Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of
+    (q, k, v, g, beta) and fp32 for dh0 [N, HV, K, V]."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    N = cu_seqlens.shape[0] - 1
+    G = HV // H
+    prep, rstd = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    lay = prep.layout
+    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=torch.float32)
+    h, v_new, _ = _walk(prep, h0)
+    dht = dht.float() if dht is not None else h0.new_zeros(N, HV, K, V)
+
+    gcum, decay = prep.gcum, prep.decay
+    eg = gcum.exp()
+    q_gated = scale * eg[..., None] * prep.q  # the output's state term reads S through e^gcum q
+    P = scale * prep.qk * decay  # intra-chunk attention, lower triangle incl. diagonal
+    doc_ = to_chunks(do.float(), lay)  # [NC, HV, C, V]
+    gamma = gcum[..., -1].exp()
+
+    # Reverse walk: dS is the gradient of the state at the end of a chunk.
+    dv_new_local = P.transpose(-1, -2) @ doc_
+    dS_from_o = q_gated.transpose(-1, -2) @ doc_  # [NC, HV, K, V]
+    dS_end = torch.empty_like(h)
+    dv_new = torch.empty_like(v_new)
+    dht_slot = dht[lay.doc]
+    dS = h.new_zeros(HV, K, V)
+    for c in range(h.shape[0] - 1, -1, -1):
+        dS = torch.where(lay.last[c], dht_slot[c], dS)
+        dS_end[c] = dS
+        dv_new[c] = dv_new_local[c] + prep.k_decayed[c] @ dS
+        dS = dS_from_o[c] + gamma[c][:, None, None] * dS - prep.w[c].transpose(-1, -2) @ dv_new[c]
+    # The gradient of a document's initial state is dS at the start of its first chunk.
+    f = lay.doc_first_slot
+    dS_start = dS_from_o[f] + gamma[f][..., None, None] * dS_end[f] - prep.w[f].transpose(-1, -2) @ dv_new[f]
+    dh0 = torch.where(lay.doc_nonempty[:, None, None, None], dS_start, dht)
+
+    # Output: o = q_gated h + P v_new.
+    dq_gated = doc_ @ h.transpose(-1, -2)
+    dgcum = (dq_gated * q_gated).sum(-1)
+    dq = scale * eg[..., None] * dq_gated
+    dP = doc_ @ v_new.transpose(-1, -2)
+    dPP = dP * P  # d/dgcum_i of P_ij is P_ij, d/dgcum_j is -P_ij
+    dgcum = dgcum + dPP.sum(-1) - dPP.sum(-2)
+    dP_scaled = scale * dP * decay
+    dq = dq + dP_scaled @ prep.k
+    dk = dP_scaled.transpose(-1, -2) @ prep.q
+    # State update: S' = e^gl S + k_decayed^T v_new.
+    dk_decayed = v_new @ dS_end.transpose(-1, -2)
+    decay_to_end = (gcum[..., -1:] - gcum).exp()
+    dk = dk + decay_to_end[..., None] * dk_decayed
+    t = (dk_decayed * prep.k_decayed).sum(-1)
+    dgcum = dgcum - t
+    dgl = t.sum(-1) + (dS_end * h).sum((-1, -2)) * gamma
+    # v_new = u - w h.
+    du = dv_new
+    dw = -dv_new @ h.transpose(-1, -2)
+    # WY: w = A Xw, u = A Xu, A = (I + L)^-1.
+    Xw = (prep.beta * eg)[..., None] * prep.k
+    Xu = prep.beta[..., None] * prep.v
+    A = prep.A
+    dA = dw @ Xw.transpose(-1, -2) + du @ Xu.transpose(-1, -2)
+    dXw = A.transpose(-1, -2) @ dw
+    dXu = A.transpose(-1, -2) @ du
+    dL = -(A.transpose(-1, -2) @ dA @ A.transpose(-1, -2)).tril(-1)
+    dL_decay_kk = dL * decay * prep.kk  # L_ij = beta_i D_ij kk_ij
+    dbeta = dL_decay_kk.sum(-1)
+    dLL = dL_decay_kk * prep.beta[..., None]
+    dgcum = dgcum + dLL.sum(-1) - dLL.sum(-2)
+    dkk = dL * prep.beta[..., None] * decay
+    dk = dk + (dkk + dkk.transpose(-1, -2)) @ prep.k
+    dk = dk + (prep.beta * eg)[..., None] * dXw
+    dbeta = dbeta + (dXw * eg[..., None] * prep.k).sum(-1) + (dXu * prep.v).sum(-1)
+    dgcum = dgcum + (dXw * Xw).sum(-1)
+    dv = prep.beta[..., None] * dXu
+    dgcum = torch.cat([dgcum[..., :-1], dgcum[..., -1:] + dgl[..., None]], -1)
+    dg = dgcum.flip(-1).cumsum(-1).flip(-1)  # gcum is a chunk-local cumsum of g
+
+    dq = from_chunks(_per_qk_head(dq, G), lay)
+    dk = from_chunks(_per_qk_head(dk, G), lay)
+    if rstd is not None:
+        qn, rq, kn, rk = rstd
+        dq, dk = _l2norm_bwd(dq, qn, rq), _l2norm_bwd(dk, kn, rk)
+    dv = from_chunks(dv, lay)
+    dg = from_chunks(dg[..., None], lay)[..., 0]
+    dbeta = from_chunks(dbeta[..., None], lay)[..., 0]
+    return (
+        dq.to(q.dtype).contiguous(),
+        dk.to(k.dtype).contiguous(),
+        dv.to(v.dtype).contiguous(),
+        dg.contiguous(),
+        dbeta.to(beta.dtype).contiguous(),
+        dh0.contiguous(),
+    )
