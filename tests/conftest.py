@@ -1,0 +1,36 @@
+import pytest
+import torch
+
+from cake_ops.testing import Accuracy
+
+HAS_CUDA = torch.cuda.is_available()
+
+# Worst accuracy seen per tensor name over the whole session, printed at the end.
+_WORST: dict[str, Accuracy] = {}
+
+
+def record_accuracy(name: str, acc: Accuracy) -> None:
+    old = _WORST.get(name)
+    if old is None or (acc.rel_rms, acc.max_abs_ratio) > (old.rel_rms, old.max_abs_ratio) or not acc.finite:
+        _WORST[name] = acc
+
+
+def pytest_collection_modifyitems(config, items):
+    if HAS_CUDA:
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not _WORST:
+        return
+    terminalreporter.section("worst accuracy against the FP64 reference (contract: rel-RMS <= 1e-2, max-abs <= 2e-2 max|ref|)")
+    for name in sorted(_WORST):
+        a = _WORST[name]
+        terminalreporter.write_line(f"{name:28s} rel-RMS {a.rel_rms:.3e}   max-abs/max|ref| {a.max_abs_ratio:.3e}   finite {a.finite}")
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
