@@ -1,0 +1,134 @@
+"""The benchmark (cake_ops.bench): its arithmetic, and a CPU smoke run of ``--quick``."""
+
+import json
+import math
+
+import pytest
+
+from cake_ops import bench
+
+
+def test_chunks_per_head():
+    assert bench.chunks_per_head(bench.SHAPES["s32k_h16"].docs) == 172 + 188 + 153 == 513
+    assert bench.chunks_per_head((4096,) * 16) == 16 * 64
+    assert bench.chunks_per_head((1, 64, 65)) == 1 + 1 + 2
+    assert bench.chunks_per_head(()) == 0
+
+
+def test_forward_flop_matches_kernels_md():
+    # KERNELS.md §3.1: 3a + 3b + 2a/G + inverse = 11.7 MFLOP at G = 1, 10.3 at G = 3.
+    assert bench.fwd_flop_per_head_chunk(128, 128, 1) == pytest.approx(11.7e6, rel=0.01)
+    assert bench.fwd_flop_per_head_chunk(128, 128, 3) == pytest.approx(10.3e6, rel=0.01)
+    a, b = 2 * 64 * 64 * 128, 2 * 64 * 128 * 128
+    assert bench.fwd_flop_per_head_chunk(128, 128, 2) == pytest.approx(3 * a + 3 * b + a + 2 * 64**3 / 3)
+
+
+def test_gdn_flop_per_op():
+    s = bench.SHAPES["s32k_h16"]
+    fwd = bench.gdn_flop(s, "fwd")
+    assert fwd == pytest.approx(513 * 48 * bench.fwd_flop_per_head_chunk(128, 128, 3))
+    assert bench.gdn_flop(s, "fwdbwd") == pytest.approx(3.9 * fwd)
+    assert bench.gdn_flop(s, "ckpt") == pytest.approx(4.9 * fwd)
+    # BENCH.md: the fwdbwd floor at s32k_h16 is about 1.2 ms (on ~790 TFLOP/s).
+    assert bench.gdn_flop(s, "fwdbwd") / 790e12 * 1e3 == pytest.approx(1.25, abs=0.1)
+
+
+def test_palindrome():
+    assert bench.palindrome(["a", "b", "c"]) == ["a", "b", "c", "c", "b", "a"]
+    assert bench.palindrome([]) == []
+    order = bench.palindrome(range(5))
+    mean_pos = {x: sum(i for i, y in enumerate(order) if y == x) / 2 for x in range(5)}
+    assert len(set(mean_pos.values())) == 1
+
+
+def test_drift_and_unstable():
+    assert bench.drift([1.0, 1.01, 1.03]) == pytest.approx(0.03 / 1.01)
+    assert bench.drift([2.0, 5.0, 2.0]) == 0.0  # first and last only
+    assert math.isnan(bench.drift([1.0]))
+    assert math.isnan(bench.drift([1.0, math.nan, 1.0]))
+    assert math.isnan(bench.drift([0.0, 0.0, 0.0]))
+    assert bench.is_unstable(0.021) and not bench.is_unstable(0.02) and not bench.is_unstable(math.nan)
+
+
+def test_sanitize_makes_strict_json():
+    report = {"a": math.nan, "b": [1.0, math.inf, -math.inf, (2, 3.5)], "c": {1: True, "d": None, "e": "x"}}
+    clean = bench.sanitize(report)
+    assert clean == {"a": None, "b": [1.0, None, None, [2, 3.5]], "c": {"1": True, "d": None, "e": "x"}}
+    json.dumps(clean, allow_nan=False)
+    with pytest.raises(ValueError):
+        json.dumps(report, allow_nan=False)
+
+
+def test_parse_args():
+    args = bench.parse_args(["--quick", "--arms", "torch,cake", "--ops", "fwd"])
+    assert args.shapes == list(bench.QUICK_SHAPES) and args.ops == ["fwd"]
+    assert args.arms == ["cake", "torch"]  # canonical order, whatever the order asked
+    assert args.calls == 2 and args.groups == 3
+    full = bench.parse_args([])
+    assert full.shapes == list(bench.SHAPES) and full.arms == list(bench.ARMS) and full.ops == list(bench.OPS)
+    assert set(bench.SHAPES) == {"s32k_h16", "s64k_h16", "s16k_long", "s256k_h2", "s16k_h8", "s32k_h2"}
+    for bad in (["--groups", "2"], ["--arms", "nope"], ["--shapes", "s1"], ["--ops", ""]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(bad)
+
+
+def test_table_marks_unstable_and_wall_clock():
+    row = dict(shape="s", op="fwd", floor_ms=0.1, error=None)
+    report = {
+        "meta": {"timing": "wall-clock", "matmul_tflops": 1.0},
+        "results": [
+            {**row, "arm": "cake", "kernel_ms": 1.0, "stream_ms": 2.0, "sync_ms": 3.0,
+             "unstable_timings": ["stream_ms"], "cake_over_arm_kernel": 1.0},
+            {**row, "arm": "fla", "kernel_ms": 2.0, "stream_ms": 2.0, "sync_ms": 3.0,
+             "unstable_timings": ["kernel_ms"], "cake_over_arm_kernel": 0.5},
+            {**row, "arm": "torch", "kernel_ms": None, "stream_ms": None, "sync_ms": None,
+             "unstable_timings": [], "cake_over_arm_kernel": None, "error": "failed the accuracy check"},
+        ],
+    }
+    lines = bench.format_table(report).splitlines()
+    assert lines[0].split() == ["shape", "op", "arm", "kernel_ms", "stream_ms", "sync_ms", "floor_ms", "cake/arm"]
+    assert "2.000*" in lines[1] and "1.000*" not in lines[1]
+    assert "0.50*" in lines[2] and "2.000*" in lines[2]
+    assert "failed the accuracy check" in lines[3]
+    assert any("NO CUDA" in line for line in lines)
+
+
+def test_quick_run_on_cpu(tmp_path):
+    """``--quick`` end to end on the CPU: accuracy against FP64, timings, strict JSON."""
+    path = tmp_path / "bench.json"
+    ops = ["fwd", "fwdbwd", "ckpt"]
+    report = bench.main(
+        ["--quick", "--device", "cpu", "--shapes", "q_single", "--calls", "1", "--warmup", "0", "--json", str(path)]
+    )
+    text = path.read_text()
+
+    def no_constants(name):
+        raise AssertionError(f"non-finite {name} in the JSON")
+
+    data = json.loads(text, parse_constant=no_constants)
+    assert set(data) == {"meta", "skipped_arms", "accuracy", "results"}
+    assert data["meta"]["timing"] == "wall-clock" and data["meta"]["matmul_tflops"] > 0
+    # The peers need CUDA: skipped with a message, never an error.
+    assert "needs a CUDA device" in data["skipped_arms"]["fla"]
+    assert "needs a CUDA device" in data["skipped_arms"]["flashqla"]
+    timed = [a for a in bench.ARMS if a not in data["skipped_arms"]]
+    assert {"cake", "cake-nd", "cake-aa"} <= set(timed)
+
+    acc = {(e["arm"], e["op"]): e for e in data["accuracy"]}
+    assert set(acc) == {(a, op) for a in timed for op in ops}
+    for (arm, op), e in acc.items():
+        assert e["ok"], (arm, op, e["error"])
+        names = {"o"} if op == "fwd" else {"o", *bench.GRAD_NAMES}
+        assert set(e["rel_rms"]) == names and all(0 <= x <= 1e-2 for x in e["rel_rms"].values())
+
+    rows = {(r["shape"], r["op"], r["arm"]): r for r in data["results"]}
+    assert set(rows) == {("q_single", op, a) for a in timed for op in ops}
+    for key, r in rows.items():
+        assert r["error"] is None, (key, r["error"])
+        for t in ("kernel_ms", "stream_ms", "sync_ms", "floor_ms"):
+            assert r[t] is not None and r[t] > 0, (key, t)
+        assert len(r["group_medians"]["kernel_ms"]) == 3
+        assert set(r["drift"]) == {"kernel_ms", "stream_ms", "sync_ms"}
+        assert r["flop"] == pytest.approx(bench.gdn_flop(bench.QUICK_SHAPES["q_single"], r["op"]))
+        assert (r["cake_over_arm_kernel"] == 1.0) if r["arm"] == "cake" else r["cake_over_arm_kernel"] > 0
+    assert report["results"][0]["shape"] == "q_single"
