@@ -6,7 +6,8 @@ W-1 inputs before each document. y[t] = act(bias + sum_i weight[:, i] x[t - (W-1
 
 The PyTorch implementation below is vectorised over tokens and channels (a loop over
 the W taps only) and deterministic: the backward is a gather, never a scatter-add.
-Fake kernels: ``meta/short_conv.py``.
+On a Hopper GPU the forward runs the CUDA kernel ``csrc/short_conv_fwd.cu`` (the
+backward is PyTorch for now). Fake kernels: ``meta/short_conv.py``.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from . import build
 from .checks import check_cu_seqlens_values, check_short_conv
 from .varlen import token_document
 
@@ -50,11 +52,30 @@ def short_conv_fwd(
     in x's dtype (fp32 accumulation)."""
     T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
     check_cu_seqlens_values(cu_seqlens, T)
-    doc, pos = token_document(cu_seqlens, T)
+    return _short_conv_fwd_pytorch(x, weight, bias, cu_seqlens, initial_state, silu)
+
+
+def _short_conv_fwd_pytorch(x, weight, bias, cu_seqlens, initial_state, silu):
+    doc, pos = token_document(cu_seqlens, x.shape[0])
     init = initial_state.float() if initial_state is not None else None
     pre = _preactivation(x.float(), weight, bias, doc, pos, init)
     y = F.silu(pre) if silu else pre
     return y.to(x.dtype)
+
+
+@short_conv_fwd.register_kernel("cuda")
+def _short_conv_fwd_cuda(x, weight, bias, cu_seqlens, initial_state, silu):
+    T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
+    check_cu_seqlens_values(cu_seqlens, T)
+    if not build.available():
+        return _short_conv_fwd_pytorch(x, weight, bias, cu_seqlens, initial_state, silu)
+    if bias is not None and bias.dtype != weight.dtype:
+        bias = bias.to(weight.dtype)  # the kernel reads bias in the weight's dtype
+    if weight.dtype not in (torch.float32, x.dtype):
+        weight = weight.float()
+    if initial_state is not None and initial_state.dtype not in (torch.float32, x.dtype):
+        initial_state = initial_state.float()
+    return build.load().short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
 
 
 @torch.library.custom_op("cake::short_conv_bwd", mutates_args=())
