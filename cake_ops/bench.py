@@ -4,7 +4,7 @@ Implements the protocol of BENCH.md in one process on one device:
 
 - Arms: ``cake`` (deterministic), ``cake-nd`` (``deterministic=False``), ``fla``
   (fla-core, Triton path: ``FLA_FLASH_QLA=0``), ``flashqla`` (flash-qla, K = V = 128),
-  ``torch`` (this project's PyTorch chunked path, ``cake_ops.gdn.gdn_torch``) and
+  ``torch`` (this project's PyTorch chunked path, under ``cake_ops.gdn.pytorch_implementation()``) and
   ``cake-aa`` (a second copy of ``cake``: the A/A noise floor). An arm whose package
   is missing is skipped with a message.
 - Ops: ``fwd`` (grad-enabled forward), ``fwdbwd`` (forward, then backward with a
@@ -296,10 +296,13 @@ def _load_cake(deterministic: bool) -> ArmFn:
 
 
 def _load_torch() -> ArmFn:
-    from cake_ops.gdn import gdn_torch
+    import cake_ops
+    from cake_ops.gdn import pytorch_implementation
 
+    # The backward has no CUDA kernel yet, so covering the forward call is enough.
     def fn(q, k, v, g, beta, cu):
-        o, _ = gdn_torch(q, k, v, g, beta, cu, use_qk_l2norm=True)
+        with pytorch_implementation():
+            o, _ = cake_ops.gdn(q, k, v, g, beta, cu, use_qk_l2norm=True)
         return o
 
     return fn

@@ -4,16 +4,19 @@ The ops work in the packed layout (q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, 
 ``cu_seqlens`` [N+1] on the device). ``cake::gdn_fwd`` carries the autograd formula, so
 a compiled model can call ``torch.ops.cake.gdn_fwd`` directly. Implementation: the
 chunked PyTorch algorithm of ``cake_ops.chunked`` on every device until a CUDA kernel is
-registered for a stage. Fake kernels: ``meta/gdn.py``.
+registered for a stage: on Hopper the forward runs the CUDA kernels of ``csrc/gdn_fwd*``
+(K = V = 128, bf16 q/k/v; other cases fall back to PyTorch); the backward is PyTorch
+for now. Fake kernels: ``meta/gdn.py``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import torch
 
-from . import chunked
+from . import build, chunked
 from .checks import check_cu_seqlens_values, check_gdn, check_gdn_grads
 
 _warned_nondeterministic = False
@@ -56,6 +59,31 @@ def gdn_fwd(
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return chunked.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+
+
+@gdn_fwd.register_kernel("cuda")
+def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_cu_seqlens_values(cu_seqlens, T)
+    deterministic = effective_deterministic(deterministic)
+    if _use_pytorch or not build.available() or (K, V) != (128, 128) or q.dtype != torch.bfloat16:
+        return chunked.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    return build.load().gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+
+
+_use_pytorch = False
+
+
+@contextlib.contextmanager
+def pytorch_implementation():
+    """Run the cake:: GDN ops on their PyTorch implementation on every device, e.g. to
+    compare against the kernels. Not thread-safe; cover forward and backward with it."""
+    global _use_pytorch
+    previous, _use_pytorch = _use_pytorch, True
+    try:
+        yield
+    finally:
+        _use_pytorch = previous
 
 
 @torch.library.custom_op("cake::gdn_bwd", mutates_args=())

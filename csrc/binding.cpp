@@ -2,7 +2,9 @@
 // device and stream; the math lives in the torch-free launchers. These ops are
 // internal: the public cake:: ops (with fake kernels and autograd) call them.
 
+#include <cstdint>
 #include <optional>
+#include <tuple>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -10,6 +12,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "gdn_fwd.h"
 #include "short_conv.h"
 
 namespace cake {
@@ -100,6 +103,158 @@ at::Tensor short_conv_fwd(const at::Tensor& x, const at::Tensor& weight,
   return y;
 }
 
+
+// ---------------------------------------------------------------------------------
+// GDN forward (gdn_fwd.h): K = V = 128 only; the Python side falls back to PyTorch
+// for other head dims.
+
+void check_same_device(const at::Tensor& t, const at::Tensor& q, const char* op, const char* name) {
+  TORCH_CHECK(t.device() == q.device(), op, ": ", name, " must be on ", q.device(), " like q, got ",
+              t.device());
+}
+
+// Dense and 16-byte aligned (the kernels read 16-byte vectors); copies only if needed.
+at::Tensor dense16(const at::Tensor& t) {
+  at::Tensor c = t.contiguous();
+  if (reinterpret_cast<uintptr_t>(c.data_ptr()) % 16 != 0) c = c.clone();
+  return c;
+}
+
+struct GdnShapes {
+  int64_t T, H, HV, N;
+};
+
+GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
+                           const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens) {
+  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
+  TORCH_CHECK(q.dim() == 3, op, ": q must be [T, H, K], got ", q.sizes());
+  const int64_t T = q.size(0), H = q.size(1), K = q.size(2);
+  TORCH_CHECK(K == kGdnHeadDim, op, ": the CUDA kernels need head dim K = 128, got K = ", K);
+  TORCH_CHECK(H >= 1, op, ": q needs at least one head, got ", q.sizes());
+  TORCH_CHECK(k.sizes() == q.sizes(), op, ": k must be [T, H, K] = ", q.sizes(), " like q, got ", k.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16, op,
+              ": q and k must be bfloat16, got ", q.scalar_type(), " and ", k.scalar_type());
+  check_same_device(k, q, op, "k");
+  TORCH_CHECK(g.dim() == 2 && g.size(0) == T, op, ": g must be [T, HV] with T = ", T, ", got ", g.sizes());
+  const int64_t HV = g.size(1);
+  TORCH_CHECK(HV >= 1 && HV % H == 0, op, ": the value heads HV = ", HV, " must be a positive multiple of H = ", H);
+  if (v != nullptr) {
+    TORCH_CHECK(v->dim() == 3 && v->size(0) == T && v->size(1) == HV, op, ": v must be [T, HV, V] = [", T,
+                ", ", HV, ", V], got ", v->sizes());
+    TORCH_CHECK(v->size(2) == kGdnHeadDim, op, ": the CUDA kernels need head dim V = 128, got V = ", v->size(2));
+    TORCH_CHECK(v->scalar_type() == at::kBFloat16, op, ": v must be bfloat16, got ", v->scalar_type());
+    check_same_device(*v, q, op, "v");
+  }
+  TORCH_CHECK(g.scalar_type() == at::kFloat, op, ": g must be float32, got ", g.scalar_type());
+  check_same_device(g, q, op, "g");
+  TORCH_CHECK(beta.sizes() == g.sizes(), op, ": beta must be [T, HV] = ", g.sizes(), ", got ", beta.sizes());
+  TORCH_CHECK(beta.scalar_type() == at::kFloat || beta.scalar_type() == at::kBFloat16, op,
+              ": beta must be float32 or bfloat16, got ", beta.scalar_type());
+  check_same_device(beta, q, op, "beta");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, op, ": cu_seqlens must be [N + 1], got ",
+              cu_seqlens.sizes());
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
+              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
+  check_same_device(cu_seqlens, q, op, "cu_seqlens");
+  const int64_t N = cu_seqlens.numel() - 1;
+  TORCH_CHECK(T == 0 || N >= 1, op, ": ", T, " tokens need at least one document");
+  return {T, H, HV, N};
+}
+
+// Inputs made dense, outputs and workspaces allocated (never initialised: the kernels
+// write what is read), and the launch arguments pointing at them.
+struct GdnFwdCall {
+  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, qn, kn;
+  GdnFwdArgs args;
+};
+
+GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
+                           const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                           const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+  GdnFwdCall c;
+  c.q = dense16(q);
+  c.k = dense16(k);
+  if (v != nullptr) c.v = dense16(*v);
+  c.g = g.contiguous();
+  c.beta = beta.contiguous();
+  c.cu = cu_seqlens.contiguous();
+  const auto f32 = q.options().dtype(at::kFloat);
+  const auto bf16 = q.options().dtype(at::kBFloat16);
+  const int64_t NC = gdn_fwd_chunk_slots(s.T, s.N);
+  c.chunk_offsets = at::empty({s.N + 1}, q.options().dtype(at::kInt));
+  c.a = at::empty({NC, s.HV, 64, 64}, bf16);
+  c.gcum = at::empty({NC, s.HV, 64}, f32);
+  if (use_qk_l2norm) {
+    c.qn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
+    c.kn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
+  }
+  if (v != nullptr) {
+    if (initial_state) c.h0 = dense16(*initial_state);
+    c.o = at::empty({s.T, s.HV, kGdnHeadDim}, bf16);
+    c.final_state = at::empty({s.N, s.HV, kGdnHeadDim, kGdnHeadDim}, f32);
+  }
+  GdnFwdArgs& a = c.args;
+  a.q = c.q.data_ptr();
+  a.k = c.k.data_ptr();
+  a.v = v != nullptr ? c.v.data_ptr() : nullptr;
+  a.g = c.g.data_ptr<float>();
+  a.beta = c.beta.data_ptr();
+  a.beta_dtype = to_dtype(c.beta.scalar_type());
+  a.cu_seqlens = c.cu.data_ptr();
+  a.cu_int64 = c.cu.scalar_type() == at::kLong;
+  a.initial_state = c.h0.defined() ? c.h0.data_ptr<float>() : nullptr;
+  a.o = c.o.defined() ? c.o.data_ptr() : nullptr;
+  a.final_state = c.final_state.defined() ? c.final_state.data_ptr<float>() : nullptr;
+  a.chunk_offsets = c.chunk_offsets.data_ptr<int32_t>();
+  a.a = c.a.data_ptr();
+  a.gcum = c.gcum.data_ptr<float>();
+  a.qn = c.qn.defined() ? c.qn.data_ptr() : nullptr;
+  a.kn = c.kn.defined() ? c.kn.data_ptr() : nullptr;
+  a.T = s.T;
+  a.N = s.N;
+  a.H = s.H;
+  a.HV = s.HV;
+  a.scale = static_cast<float>(scale);
+  a.use_qk_l2norm = use_qk_l2norm;
+  return c;
+}
+
+std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                           const at::Tensor& g, const at::Tensor& beta,
+                                           const at::Tensor& cu_seqlens,
+                                           const std::optional<at::Tensor>& initial_state, double scale,
+                                           bool use_qk_l2norm, bool deterministic) {
+  (void)deterministic;  // the kernels are deterministic either way
+  const GdnShapes s = check_gdn_inputs("gdn_fwd", q, k, &v, g, beta, cu_seqlens);
+  if (initial_state) {
+    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({s.N, s.HV, kGdnHeadDim, kGdnHeadDim}),
+                "gdn_fwd: initial_state must be [N, HV, K, V] = [", s.N, ", ", s.HV, ", 128, 128], got ",
+                initial_state->sizes());
+    TORCH_CHECK(initial_state->scalar_type() == at::kFloat, "gdn_fwd: initial_state must be float32, got ",
+                initial_state->scalar_type());
+    check_same_device(*initial_state, q, "gdn_fwd", "initial_state");
+  }
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm);
+  const cudaError_t err = gdn_fwd_launch(c.args, /*block_v=*/0, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(err));
+  return {c.o, c.final_state};
+}
+
+// The prep stage alone: (a [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot,
+// gcum [NC, HV, 64] fp32), NC = ceil(T / 64) + N; slots past the last document's last
+// chunk are left unwritten. For tests of the stage and for a backward that reuses A.
+std::tuple<at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& g,
+                                                const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                                                bool use_qk_l2norm) {
+  const GdnShapes s = check_gdn_inputs("gdn_fwd_prep", q, k, nullptr, g, beta, cu_seqlens);
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  GdnFwdCall c = prepare_gdn_fwd(s, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, 1.0, use_qk_l2norm);
+  const cudaError_t err = gdn_fwd_prep_launch(c.args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "gdn_fwd_prep: kernel launch failed: ", cudaGetErrorString(err));
+  return {c.a, c.gcum};
+}
+
 }  // namespace
 }  // namespace cake
 
@@ -107,6 +262,16 @@ TORCH_LIBRARY(cake_cuda, m) {
   m.def(
       "short_conv_fwd(Tensor x, Tensor weight, Tensor? bias, Tensor cu_seqlens, "
       "Tensor? initial_state, bool silu) -> Tensor");
+  m.def(
+      "gdn_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic) -> (Tensor, Tensor)");
+  m.def(
+      "gdn_fwd_prep(Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, bool use_qk_l2norm) "
+      "-> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) { m.impl("short_conv_fwd", &cake::short_conv_fwd); }
+TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
+  m.impl("short_conv_fwd", &cake::short_conv_fwd);
+  m.impl("gdn_fwd", &cake::gdn_fwd);
+  m.impl("gdn_fwd_prep", &cake::gdn_fwd_prep);
+}

@@ -1,0 +1,79 @@
+#pragma once
+
+// Warp-level tensor-core and shared-memory building blocks (sm_80+ PTX, used on sm_90a):
+// mma.sync m16n8k16 bf16 -> fp32, ldmatrix / stmatrix, cp.async with zero fill.
+//
+// Fragment layouts of mma.m16n8k16 (lane = 4 * gid + tid4):
+//   A 16x16 (row): a0 (gid,    2*tid4 .. +1)   a1 (gid + 8, 2*tid4 .. +1)
+//                  a2 (gid,    2*tid4 + 8 ..)  a3 (gid + 8, 2*tid4 + 8 ..)
+//   B 16x8  (col): b0 (k = 2*tid4 .. +1, n = gid)   b1 (k = 2*tid4 + 8 .. +1, n = gid)
+//   C 16x8       : c0, c1 (gid, 2*tid4 .. +1)   c2, c3 (gid + 8, 2*tid4 .. +1)
+// So two C tiles side by side (16x16, fp32) convert into one A fragment (bf16) with
+// to_a_frag: an accumulator becomes the next product's left operand without shared memory.
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+namespace cake::mma {
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// Two floats -> one register of two bf16 (round to nearest even); `lo` has the lower index.
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Accumulator tiles c[2j], c[2j+1] (16 rows x 16 columns) as the A fragment of k-step j.
+__device__ __forceinline__ void to_a_frag(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
+  a[0] = pack_bf16(c0[0], c0[1]);
+  a[1] = pack_bf16(c0[2], c0[3]);
+  a[2] = pack_bf16(c1[0], c1[1]);
+  a[3] = pack_bf16(c1[2], c1[3]);
+}
+
+// d += a * b (m16n8k16, bf16 inputs, fp32 accumulate).
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices; lanes 8i .. 8i+7 give the row addresses of matrix i.
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// As ldmatrix_x4, each matrix transposed on the way (lane 4g+t gets rows 2t, 2t+1 of column g).
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Inverse of ldmatrix_x4_trans: stores four 8x8 matrices transposed (sm_90).
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// 16-byte global -> shared copy; writes zeros (and reads nothing) when !valid.
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+}  // namespace cake::mma

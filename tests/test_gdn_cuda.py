@@ -1,0 +1,215 @@
+"""The CUDA GDN forward (``torch.ops.cake_cuda.gdn_fwd``, csrc/gdn_fwd*.cu) on the GPU.
+
+Checked against the FP64 token-by-token reference (the accuracy contract of DESIGN.md
+§2) under NaN-poisoned allocation, stage by stage (the prep op's A diag(beta) and gcum
+against the PyTorch chunked algorithm, then o and the final state), plus bitwise
+determinism, CUDA-graph capture and the benchmark's largest shape against the PyTorch
+chunked path. Every test is marked ``gpu`` and skipped without a Hopper GPU.
+"""
+
+import math
+
+import pytest
+import torch
+
+import cake_ops
+from cake_ops import build, chunked
+from cake_ops.reference import gdn_reference
+from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
+
+from conftest import record_accuracy
+
+pytestmark = pytest.mark.gpu
+
+DOCS = [1, 63, 64, 65, 200]
+
+# (id, lengths, H, G, gate, beta, beta dtype, in-op l2 norm, initial state, cu_seqlens dtype)
+CASES = [
+    ("one_chunk", [64], 1, 1, "normal", "uniform", torch.float32, False, False, torch.int32),
+    ("ragged_chunk", [37], 1, 1, "normal", "uniform", torch.float32, True, True, torch.int32),
+    ("docs_h1", DOCS, 1, 1, "normal", "uniform", torch.float32, False, False, torch.int32),
+    ("docs_h2_l2_h0", DOCS, 2, 1, "normal", "uniform", torch.float32, True, True, torch.int64),
+    ("docs_gva2_bf16beta", DOCS, 2, 2, "normal", "uniform", torch.bfloat16, False, True, torch.int32),
+    ("docs_gva3_strong_extreme", DOCS, 1, 3, "strong", "extreme", torch.float32, True, True, torch.int32),
+    ("docs_h2_gva3_strong_bf16beta", DOCS, 2, 3, "strong", "uniform", torch.bfloat16, True, False, torch.int64),
+    ("docs_h2_gva2_slow", DOCS, 2, 2, "slow", "extreme", torch.float32, False, True, torch.int32),
+    ("empty_docs", [0, 70, 0, 3, 0], 1, 2, "normal", "extreme", torch.float32, True, True, torch.int32),
+    ("long_doc", [700], 1, 1, "normal", "uniform", torch.float32, True, True, torch.int32),
+]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not build.available():
+        pytest.skip(build.unavailable_reason())
+    return build.load()
+
+
+def _inputs(case, seed=0):
+    _, lengths, H, G, gate, beta, beta_dtype, l2, h0, cu_dtype = case
+    inp = make_gdn_inputs(
+        lengths, H, H * G, 128, 128, gate=gate, beta=beta, beta_dtype=beta_dtype,
+        normalized_qk=not l2, initial_state=h0, device="cuda", seed=seed,
+    )
+    inp["cu_seqlens"] = inp["cu_seqlens"].to(cu_dtype)
+    return inp, l2
+
+
+def _call(ops, inp, l2, scale=128**-0.5):
+    return ops.gdn_fwd(
+        inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], inp["initial_state"],
+        scale, l2, True,
+    )
+
+
+def _used_slots(lengths):
+    return sum(-(-n // 64) for n in lengths)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_prep_matches_chunked(ops, case):
+    """Stage 1 alone: A diag(beta) (bf16) and gcum against the PyTorch chunked algorithm."""
+    inp, l2 = _inputs(case, seed=1)
+    with poisoned_allocations():
+        a, gcum = ops.gdn_fwd_prep(inp["q"], inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
+    prep, _ = chunked._prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
+    used = _used_slots(case[1])
+    a_ref = prep.A * prep.beta[..., None, :]
+    assert a.shape == a_ref.shape and gcum.shape == prep.gcum.shape
+    acc_a = accuracy(a[:used].float(), a_ref[:used])
+    acc_g = accuracy(gcum[:used], prep.gcum[:used])
+    record_accuracy("cuda prep A diag(beta)", acc_a)
+    record_accuracy("cuda prep gcum", acc_g)
+    assert acc_a.ok, f"A diag(beta): {acc_a}"
+    assert acc_g.finite and acc_g.rel_rms < 1e-5, f"gcum: {acc_g}"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_gdn_fwd_accuracy(ops, case):
+    inp, l2 = _inputs(case, seed=2)
+    with poisoned_allocations():
+        o, ht = _call(ops, inp, l2)
+    T, HV = inp["v"].shape[:2]
+    N = len(case[1])
+    assert o.shape == (T, HV, 128) and o.dtype == torch.bfloat16
+    assert ht.shape == (N, HV, 128, 128) and ht.dtype == torch.float32
+    ro, rht = gdn_reference(
+        inp["q"].cpu(), inp["k"].cpu(), inp["v"].cpu(), inp["g"].cpu(), inp["beta"].cpu(),
+        inp["cu_seqlens"].cpu(), scale=128**-0.5,
+        initial_state=inp["initial_state"].cpu() if inp["initial_state"] is not None else None,
+        use_qk_l2norm=l2,
+    )
+    failures = []
+    for name, x, ref in (("o", o, ro), ("final_state", ht, rht)):
+        acc = accuracy(x, ref)
+        record_accuracy(f"cuda gdn_fwd {name}", acc)
+        if not acc.ok:
+            failures.append(f"{name}: {acc}")
+    assert not failures, f"{case[0]}: " + "; ".join(failures)
+
+
+def test_empty_document_final_state_is_initial_state(ops):
+    case = ("empty", [0, 5, 0], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    inp, l2 = _inputs(case, seed=3)
+    with poisoned_allocations():
+        _, ht = _call(ops, inp, l2)
+    assert torch.equal(ht[0], inp["initial_state"][0]) and torch.equal(ht[2], inp["initial_state"][2])
+    case = ("empty0", [0, 5, 0], 1, 2, "normal", "uniform", torch.float32, True, False, torch.int32)
+    inp, l2 = _inputs(case, seed=3)
+    with poisoned_allocations():
+        _, ht = _call(ops, inp, l2)
+    assert not ht[0].any() and not ht[2].any()
+
+
+def test_no_tokens(ops):
+    """T = 0: every final state is the initial state (or zeros); o is empty."""
+    for h0 in (True, False):
+        inp = make_gdn_inputs([0, 0], 1, 2, 128, 128, initial_state=h0, device="cuda", seed=4)
+        with poisoned_allocations():
+            o, ht = _call(ops, inp, True)
+        assert o.shape == (0, 2, 128)
+        expect = inp["initial_state"] if h0 else torch.zeros_like(ht)
+        assert torch.equal(ht, expect)
+
+
+def test_bitwise_deterministic(ops):
+    case = ("det", DOCS, 2, 3, "normal", "uniform", torch.float32, True, True, torch.int32)
+    inp, l2 = _inputs(case, seed=5)
+    o1, h1 = _call(ops, inp, l2)
+    o2, h2 = _call(ops, inp, l2)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+
+
+def test_documents_are_isolated(ops):
+    """Changing one document's tokens changes no other document's outputs (no reads or
+    writes across a document boundary, also for ragged chunks)."""
+    case = ("iso", [65, 37, 130], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    inp, l2 = _inputs(case, seed=6)
+    o1, h1 = _call(ops, inp, l2)
+    inp2 = dict(inp)
+    for n in ("q", "k", "v"):
+        x = inp[n].clone()
+        x[65:102] = torch.randn_like(x[65:102].float()).to(x.dtype)
+        inp2[n] = x
+    o2, h2 = _call(ops, inp2, l2)
+    assert torch.equal(o1[:65], o2[:65]) and torch.equal(o1[102:], o2[102:])
+    assert torch.equal(h1[0], h2[0]) and torch.equal(h1[2], h2[2])
+    assert not torch.equal(o1[65:102], o2[65:102])
+
+
+def test_cuda_graph_replay_equals_eager(ops):
+    case = ("graph", DOCS, 2, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    static, l2 = _inputs(case, seed=7)
+    fresh, _ = _inputs(case, seed=8)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _call(ops, static, l2)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, h_static = _call(ops, static, l2)
+    for n in ("q", "k", "v", "g", "beta", "initial_state"):
+        static[n].copy_(fresh[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    o_eager, h_eager = _call(ops, fresh, l2)
+    assert torch.equal(o_static, o_eager) and torch.equal(h_static, h_eager)
+
+
+def test_kernel_refuses_other_head_dims(ops):
+    inp = make_gdn_inputs([10], 1, 1, 64, 64, device="cuda", seed=9)
+    with pytest.raises(RuntimeError, match="K = 128"):
+        _call(ops, inp, True)
+
+
+def test_other_head_dims_fall_back_to_pytorch(ops):
+    """cake::gdn_fwd sends what the kernels do not cover (K = V = 64 here) to the PyTorch
+    path instead of the kernel, and stays within the contract."""
+    inp = make_gdn_inputs([10, 70], 1, 2, 64, 64, device="cuda", seed=9)
+    o, ht = cake_ops.gdn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
+                         output_final_state=True, use_qk_l2norm=True)
+    ro, rht = gdn_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
+                            use_qk_l2norm=True)
+    assert accuracy(o, ro).ok and accuracy(ht, rht).ok
+
+
+def test_bench_shape_against_chunked(ops):
+    """s32k_h16 (11000 + 12000 + 9768 tokens, H = 16, HV = 48) with the benchmark's own
+    inputs (mamba gate, extremes near -35 per token) against the fp32 PyTorch chunked path."""
+    from cake_ops.bench import SHAPES, make_inputs
+
+    shape = SHAPES["s32k_h16"]
+    inp = make_inputs(shape, torch.device("cuda"), "mamba", seed=0)
+    args = (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens)
+    h0 = torch.randn(len(shape.docs), shape.HV, 128, 128, device="cuda") * 0.1
+    scale = 128**-0.5
+    o, ht = ops.gdn_fwd(*args, h0, scale, True, True)
+    torch.cuda.synchronize()
+    ro, rht = chunked.gdn_fwd(*args, h0, scale, True)
+    assert torch.isfinite(o.float()).all() and torch.isfinite(ht).all()
+    for name, x, ref in (("o", o, ro), ("final_state", ht, rht)):
+        acc = accuracy(x, ref)
+        record_accuracy(f"cuda gdn_fwd s32k_h16 {name} vs chunked", acc)
+        assert acc.finite and acc.rel_rms <= 1e-2, f"{name}: {acc}"
+    assert not math.isnan(o.float().sum().item())
