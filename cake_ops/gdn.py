@@ -16,7 +16,7 @@ import warnings
 
 import torch
 
-from . import build, chunked
+from . import chunked
 from .checks import check_cu_seqlens_values, check_gdn, check_gdn_grads
 
 _warned_nondeterministic = False
@@ -66,6 +66,8 @@ def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2n
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_cu_seqlens_values(cu_seqlens, T)
     deterministic = effective_deterministic(deterministic)
+    from . import build  # imported here so that `python -m cake_ops.build` runs cleanly
+
     if _use_pytorch or not build.available() or (K, V) != (128, 128) or q.dtype != torch.bfloat16:
         return chunked.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
     return build.load().gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import build
 from .checks import check_cu_seqlens_values, check_short_conv
 from .varlen import token_document
 
@@ -67,6 +66,8 @@ def _short_conv_fwd_pytorch(x, weight, bias, cu_seqlens, initial_state, silu):
 def _short_conv_fwd_cuda(x, weight, bias, cu_seqlens, initial_state, silu):
     T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
     check_cu_seqlens_values(cu_seqlens, T)
+    from . import build  # imported here so that `python -m cake_ops.build` runs cleanly
+
     if not build.available():
         return _short_conv_fwd_pytorch(x, weight, bias, cu_seqlens, initial_state, silu)
     if bias is not None and bias.dtype != weight.dtype:
