@@ -33,10 +33,9 @@ import torch
 from torch.utils import cpp_extension
 
 CUDA_CFLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-lineinfo")
-# The binding includes torch headers, so it must use torch's language standard
-# (C++20 since torch 2.10). Built as C++17, every TORCH_CHECK that threw crashed the
-# process on the H200 (torch 2.11) instead of raising. Kernel files include no torch
-# header and stay C++17.
+# The binding includes torch headers, so it uses torch's own language standard (C++20
+# since torch 2.10, what cpp_extension passes by default); kernel files include no
+# torch header and stay C++17.
 CFLAGS = ("-O3", "-std=c++20")
 
 _COMPILED_SUFFIXES = (".cu", ".cpp")
