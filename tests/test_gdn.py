@@ -1,6 +1,7 @@
 """Accuracy of cake::gdn_fwd / cake::gdn_bwd against the FP64 token-by-token reference."""
 
 import random
+import zlib
 
 import pytest
 import torch
@@ -57,7 +58,7 @@ def _run_case(case, device, seed):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_gdn_accuracy(case, device):
-    pairs = _run_case(case, device, seed=hash(case[0]) % 10_000)
+    pairs = _run_case(case, device, seed=zlib.crc32(case[0].encode()))  # stable per case: reproducible failures
     failures = []
     for name, (x, ref) in pairs.items():
         assert x is not None, f"no gradient for {name}"
