@@ -236,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
   }
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm);
-  const cudaError_t err = gdn_fwd_launch(c.args, /*block_v=*/0, c10::cuda::getCurrentCUDAStream());
+  const cudaError_t err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(err));
   return {c.o, c.final_state};
 }

@@ -14,8 +14,8 @@ namespace cake {
 //        K K^T once for the G value heads, then per value head the chunk-local gate
 //        cumsum gcum and A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1,
 //        stored with beta folded in: a_ws = A diag(beta) (bf16).
-//   walk (gdn_fwd_walk.cu): per (document, value head, V tile): the state walk with
-//        the output fused, S^T kept in registers across chunks:
+//   walk (gdn_fwd_walk.cu): per (document, value head, half of the value columns): the
+//        state walk with the output fused, S^T kept in registers across chunks (wgmma):
 //        v_new = A diag(beta) (v - e^gcum (k S)),  o = scale e^gcum (q S) + P v_new,
 //        S <- e^gl S + (e^(gl - gcum) k)^T v_new,  P = scale tril(q k^T * e^(gcum_i - gcum_j)).
 //
@@ -32,9 +32,7 @@ namespace cake {
 //   gcum           [NC, HV, 64] fp32             chunk-local cumsum of g (pads: last value)
 //   qn, kn         [T, H, 128] bf16              L2-normalised q, k (only if use_qk_l2norm)
 // with NC = ceil(T / 64) + N chunk slots. Launch sizes depend on T, N, H, HV only: no
-// host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics;
-// block_v (the V columns per walk CTA: 32 or 64, 0 = choose from the shapes) does not
-// change any bit of the results.
+// host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.
 struct GdnFwdArgs {
   const void* q;
   const void* k;
@@ -68,10 +66,10 @@ inline int64_t gdn_fwd_workspace_gcum_elems(int64_t T, int64_t N, int64_t HV) {
 }
 
 // The whole forward: prep, then walk. Returns the first launch error.
-cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, int block_v, cudaStream_t stream);
+cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
 // The two stages (also usable alone, e.g. by a backward that recomputes the forward).
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
-cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, int block_v, cudaStream_t stream);
+cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
 }  // namespace cake

@@ -1,0 +1,123 @@
+#pragma once
+
+// Warpgroup tensor-core building blocks (sm_90a PTX): wgmma.mma_async with A from
+// registers (RS) or shared memory (SS), B from shared memory through a matrix
+// descriptor, bf16 in, fp32 accumulate; and the shared-memory tile layout they read.
+//
+// Register layouts of m64nNk16 for the warpgroup's 128 threads (warp w, lane = 4 gid + t4):
+//   accumulator d[4j + e]: row 16w + gid + 8 (e >> 1), column 8j + 2 t4 + (e & 1);
+//   A fragment a[0..3] (bf16 pairs): rows 16w + gid (+8), columns 2 t4 (+8) of the k16 step,
+//   as in mma.m16n8k16. So the accumulator columns 16j .. 16j + 15 become the A fragment of
+//   k-step j by pairing registers (to_a_frag): a product feeds the next in registers.
+//
+// Shared tiles ("SW128"): rows of 64 bf16 (128 bytes) with 16-byte chunk c of row r
+// stored at chunk c ^ (r & 7); a tile wider than 64 columns is column blocks of 64, each
+// block rows x 128 bytes, block after block. Every tile starts 1024-byte aligned. This is
+// the hardware's 128-byte swizzle, so one layout serves wgmma in both majors:
+//   K-major operand (rows = M or N, columns = K): descriptor stride 1024 (8 rows), the
+//     k16 step s of block s / 4 starts 32 (s % 4) bytes into it;
+//   MN-major operand (rows = K, columns = M or N): leading offset = one column block
+//     (N beyond 64), stride 1024 (8 rows of K), the k16 step s starts 16 rows down.
+// ldmatrix / stmatrix reach the same tiles through sw128_offset, conflict-free.
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+namespace cake::wgmma {
+
+// Byte offset of 16-byte chunk `chunk` (0 .. 8 * blocks - 1) of row `row` in an SW128
+// tile of `rows` rows.
+__device__ __forceinline__ int sw128_offset(int rows, int row, int chunk) {
+  return (chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
+
+// Matrix descriptor: start address, leading and stride byte offsets, 128-byte swizzle.
+__device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(leading_bytes >> 4) << 16;
+  d |= static_cast<uint64_t>(stride_bytes >> 4) << 32;
+  d |= static_cast<uint64_t>(1) << 62;  // swizzle mode: 128 bytes
+  return d;
+}
+
+// Operand k16 step `s` of a K-major SW128 tile with `rows` rows at `tile`.
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int rows, int s) {
+  return desc_sw128(tile + (s >> 2) * rows * 128 + (s & 3) * 32, 16, 1024);
+}
+
+// Operand k16 step `s` of an MN-major SW128 tile (rows = K) with `rows` rows at `tile`.
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows, int s) {
+  return desc_sw128(tile + s * 16 * 128, rows * 128, 1024);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Accumulator columns 16 j .. 16 j + 15 (registers d[8j .. 8j + 7]) as the bf16 A fragment
+// of k-step j.
+template <int N>
+__device__ __forceinline__ void to_a_frag(uint32_t (&a)[4], const float (&d)[N], int j) {
+  a[0] = pack_bf16(d[8 * j + 0], d[8 * j + 1]);
+  a[1] = pack_bf16(d[8 * j + 2], d[8 * j + 3]);
+  a[2] = pack_bf16(d[8 * j + 4], d[8 * j + 5]);
+  a[3] = pack_bf16(d[8 * j + 6], d[8 * j + 7]);
+}
+
+// Orders register writes before the wgmma that reads them (accumulators, A fragments).
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Waits until at most `N` committed groups are still running.
+template <int N>
+__device__ __forceinline__ void wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+
+// Keeps the compiler from moving accesses of an accumulator across the asynchronous
+// window between an mma and its wait.
+template <int N>
+__device__ __forceinline__ void fence_operands(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// Shared memory written by ordinary stores (or cp.async) that wgmma reads next.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// d[0..31] (+)= A (registers) * B (shared, descriptor b): m64n64k16, bf16 -> fp32.
+template <int kTransB>
+__device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, %38;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB));
+}
+
+// d[0..63] (+)= A (registers) * B (shared, descriptor b): m64n128k16, bf16 -> fp32.
+template <int kTransB>
+__device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, %70;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB));
+}
+
+// d[0..15] (+)= A (shared, descriptor a, K-major) * B (shared, descriptor b, K-major): m64n32k16.
+__device__ __forceinline__ void mma_ss_m64n32k16(float (&d)[16], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15}, %16, %17, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+
+}  // namespace cake::wgmma
