@@ -14,8 +14,8 @@ namespace cake {
 //        K K^T once for the G value heads, then per value head the chunk-local gate
 //        cumsum gcum and A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1,
 //        stored with beta folded in: a_ws = A diag(beta) (bf16).
-//   walk (gdn_fwd_walk.cu): per (document, value head, half of the value columns): the
-//        state walk with the output fused, S^T kept in registers across chunks (wgmma):
+//   walk (gdn_fwd_walk.cu): per (document, value head): the state walk with the output
+//        fused, S^T kept in registers across chunks (wgmma, warp-specialised):
 //        v_new = A diag(beta) (v - e^gcum (k S)),  o = scale e^gcum (q S) + P v_new,
 //        S <- e^gl S + (e^(gl - gcum) k)^T v_new,  P = scale tril(q k^T * e^(gcum_i - gcum_j)).
 //

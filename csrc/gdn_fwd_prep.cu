@@ -3,16 +3,44 @@
 // gcum and the WY inverse A diag(beta).
 //
 // NOTES:
-// - K K^T (64x64x128, tensor cores) is formed once per q/k head and reused by the G
-//   value heads; only the gating, beta and the inverse are per value head.
-// - The inverse is fp32 on CUDA cores, blocked 16x16: diagonal blocks by forward
-//   substitution (one thread per column), then block row I of the result from
-//   A_IJ = -A_II sum_K L_IK A_KJ. fp32 keeps A exact to rounding even where the gated
-//   L is ill-conditioned; A is rounded once, to the bf16 that the walk consumes.
-// - Exponents are differences of chunk-local cumsums, clamped to <= 0 and masked before
-//   use, so strong decay (gcum down to -1280 in a chunk) underflows to 0, never to
-//   0 * inf.
-// - gcum comes from a fixed-order warp scan: deterministic, bitwise run to run.
+// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes qn, kn (32 KB) and
+//   one 8 KB tile of A diag(beta) per value head: ~0.75 GB at s32k_h16, an HBM floor near
+//   0.18 ms. So q and k are requested together up front with cp.async (no registers held
+//   while they fly) and the gates are loaded under them; K K^T is parked in shared memory
+//   between value heads; <= 96 registers and 35 KB of shared memory give 5 CTAs (20 warps)
+//   per SM, so other CTAs' loads stay in flight while one CTA inverts.
+// - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
+//   G value heads; only the gating, beta and the inverse are per value head.
+// - The inverse A = (I + L)^-1 is blocked 16x16, warp w owning block row w (the rows of
+//   its K K^T accumulators). Phase 0, all warps at once and without shared memory: L_ww
+//   from K K^T and the gates, then A_ww by right-looking substitution in fp32, in the
+//   mma accumulator layout (a lane holds rows gid, gid + 8, four columns; step q takes row
+//   q of A and column q of L by shuffle, 4 FMAs a lane). Then
+//   A_wJ = -A_ww sum_{K=J}^{w-1} L_wK A_KJ: term (J, K) needs tile A_KJ of warp K, ready
+//   after round K - J, so three rounds (a CTA barrier each) finish rows 1, 2, 3 in turn
+//   while the later rows sum the terms they already can; a row is stored as soon as it
+//   is done. The exchanged tiles are written once per head and read before the barrier
+//   that precedes their next write, so one buffer serves all value heads.
+// - The merges run on tensor cores (mma.m16n8k8 tf32) with every operand kept in the
+//   accumulator layout: products are taken transposed,
+//   (A_wJ)^T = -(sum_K (A_KJ)^T L_wK^T) A_ww^T, so the left operand is an accumulator
+//   (the A fragment up to a permutation of k, which the B fragment then repeats) and the
+//   right operand's transpose is one (L_wK, A_ww as they are). Tiles cross warps lane for
+//   lane; only diagonal blocks are read back transposed (row stride 20 words: conflict-free
+//   both ways). Output rows go through stmatrix (.trans for the transposed blocks) into
+//   padded staging rows, then out as 16-byte stores, four whole rows per instruction.
+// - Precision: the diagonal solves are fp32 FMA; the merges are 3xTF32 (x = xb + xs,
+//   xy = xb yb + xb ys + xs yb, fp32 accumulate). On CPU-emulated cases (this algorithm,
+//   lane for lane, against fp64) the worst error of A diag(beta), relative to its row's
+//   largest entry, is ~1e-7 for unit keys and ~1e-6 for un-normalised keys (|k|^2 ~ 8, no
+//   decay), as with the fp32 FMA merges before; plain tf32 (operands truncated, as the
+//   hardware reads them) gave 2e-4 and 6e-3, the latter above bf16's 2^-8. The split
+//   costs 4 integer/fp32 ops an element (cvt.rna.tf32 alone is 3 on sm_90). A keeps the
+//   fp32 range (un-normalised keys can make it large) and is rounded once, to the bf16
+//   that the walk consumes, after folding in beta.
+// - Exponents are differences of chunk-local cumsums, clamped to <= 0, so strong decay
+//   (gcum down to -1280 in a chunk) underflows to 0, never to 0 * inf.
+// - Deterministic, bitwise run to run: fixed-order scans and sums, no atomics.
 
 #include <cuda_bf16.h>
 
@@ -25,9 +53,34 @@ namespace cake {
 namespace {
 
 constexpr int kPrepThreads = 128;  // 4 warps; warp w owns rows 16w .. 16w+15 of the chunk
-constexpr int kLd = 65;            // fp32 row stride of L and A: column walks are conflict-free
-constexpr int kLdT = 49;           // row stride of the 16 x 48 block-row product
+constexpr int kPrepCtasPerSm = 5;  // <= 96 registers a thread (~35 KB of shared memory a CTA)
+constexpr int kGateHeads = 4;      // value heads whose gates are staged at once: one scan per warp
 constexpr float kL2NormEps = 1e-6f;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Shared memory of the prep CTA (bytes). The k and q tiles (bf16 64x128, swizzled) live
+// until K K^T is formed; then the q tile's space holds K K^T and the k tile's space the
+// tiles exchanged by the inverse and each warp's output staging.
+constexpr int kTileBytes = 64 * kGdnHeadDim * 2;
+constexpr int kSmemBytes = 2 * kTileBytes;
+constexpr int kKTile = 0;
+constexpr int kQTile = kTileBytes;
+constexpr int kFragBytes = 32 * 8 * 4;                 // one 16x16 fp32 tile, lane for lane
+constexpr int kKK = kQTile;                            // K K^T, block lower triangle: 10 tiles
+constexpr int kDiagLd = 20;                            // fp32 row stride of an exchanged diagonal block
+constexpr int kDiagBytes = 16 * kDiagLd * 4;
+constexpr int kDiag = kKTile;                          // A_00, A_11, A_22
+constexpr int kOff = kDiag + 3 * kDiagBytes;           // (A_10)^T, (A_20)^T, (A_21)^T
+constexpr int kStageLd = 144;                          // bytes a staging row: 64 bf16 + 16 (conflict-free)
+constexpr int kStageBytes = 16 * kStageLd;             // per warp: its 16 rows of the bf16 output
+constexpr int kStage = kOff + 3 * kFragBytes;
+static_assert(kStage + 4 * kStageBytes <= kKTile + kTileBytes, "exchange and staging fit the k tile");
+static_assert(kKK + 10 * kFragBytes <= kSmemBytes, "K K^T fits the q tile");
+static_assert(kOff % 16 == 0 && kStage % 16 == 0, "16-byte fragments and staging chunks");
+
+// A 16x16 fp32 tile in the accumulator layout of mma.m16n8k8 as two 16x8 halves: t[h][e]
+// is (row gid + 8 (e >> 1), column 8 h + 2 t4 + (e & 1)), lane = 4 gid + t4.
+using Tile = float[2][4];
 
 // ---------------------------------------------------------------------------------
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64): one block, a scan over N.
@@ -68,86 +121,392 @@ __global__ void __launch_bounds__(1024) gdn_chunk_offsets_kernel(CuSeqlens cu, i
   }
 }
 
+// ---------------------------------------------------------------------------------
+// Small PTX helpers not in mma_sm80.cuh.
+
+// The CTA barrier, reached by the warps from different code (each warp runs its own
+// block row's instantiation), so the non-.aligned form.
+__device__ __forceinline__ void cta_barrier() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
+
+// Four 8x8 b16 matrices to shared memory, as stored (lane 4g+t gives row g, columns 2t, 2t+1).
+__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
+// This thread's lane, read anew at each use: the per-lane addresses and constants derived
+// from it are then recomputed per value head instead of being hoisted out of the head loop
+// and pinned in registers (or spilled) across the inverses.
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return lane;
+}
+
+// x = big + small, both tf32 (13 low bits zero): big is x rounded to nearest (ties away,
+// as cvt.rna.tf32 but without its inf/NaN guard, which the bit trick does not need), small
+// the exact remainder x - big truncated, so |x - big - small| <= 2^-21 |x|.
+__device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& small) {
+  big = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  small = __float_as_uint(x - __uint_as_float(big)) & 0xffffe000u;
+}
+
+// 2^x, approximate (2 ulp), results below 2^-126 flushed to 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// d += a * b (m16n8k8, tf32 inputs, fp32 accumulate).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// ---------------------------------------------------------------------------------
+// 16x16 tile algebra in the accumulator layout (one warp).
+
+// d += x y, x in the accumulator layout, y given by y^T in the accumulator layout. In k step
+// kt the A fragment's k slot t4 is column 8 kt + 2 t4 of x and slot t4 + 4 column
+// 8 kt + 2 t4 + 1: x's accumulator registers as they are, and then the B fragment (k
+// slots t4, t4 + 4 at n = gid) is exactly y^T's. 3xTF32, see NOTES.
+__device__ __forceinline__ void mma_tile(Tile& d, const Tile& x, const Tile& yt) {
+#pragma unroll
+  for (int kt = 0; kt < 2; ++kt) {
+    uint32_t xb[4], xs[4];
+#pragma unroll
+    for (int s = 0; s < 4; ++s) split_tf32(x[kt][(s & 1) * 2 + (s >> 1)], xb[s], xs[s]);  // a0 .. a3
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      uint32_t yb0, ys0, yb1, ys1;
+      split_tf32(yt[kt][2 * nt], yb0, ys0);
+      split_tf32(yt[kt][2 * nt + 1], yb1, ys1);
+      mma_tf32(d[nt], xs, yb0, yb1);
+      mma_tf32(d[nt], xb, ys0, ys1);
+      mma_tf32(d[nt], xb, yb0, yb1);
+    }
+  }
+}
+
+// a = (I + l)^-1 for a strictly lower 16x16 l (zeros on and above the diagonal), fp32.
+// Right-looking: once rows < q are done, row q of A is final and is subtracted, times
+// l[r][q], from every row r > q. A lane needs row q only in its own 4 columns (held by the
+// lane of the same t4 in row group q & 7) and l[r][q] for its rows (held in its own row
+// group). Rows r <= q meet l[r][q] = 0 and stay as they are.
+__device__ __forceinline__ void invert_unit_lower(const Tile& l, Tile& a, int lane) {
+  const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) a[h][e] = gid + 8 * (e >> 1) == 8 * h + 2 * t4 + (e & 1) ? 1.f : 0.f;
+#pragma unroll
+  for (int q = 0; q < 15; ++q) {
+    const int qh = q >> 3;                      // column half holding column q; row q's row half
+    const int l_src = 4 * gid + ((q & 7) >> 1);  // the lane holding l[gid][q], l[gid + 8][q]
+    const int a_src = 4 * (q & 7) + t4;         // the lane holding row q in this lane's columns
+    const float l_hi = __shfl_sync(0xffffffffu, l[qh][2 + (q & 1)], l_src);
+    const float l_lo = qh == 0 ? __shfl_sync(0xffffffffu, l[qh][q & 1], l_src) : 0.f;  // rows < 8 < q: 0
+#pragma unroll
+    for (int h = 0; h <= qh; ++h) {  // row q is zero right of column q
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float a_q = __shfl_sync(0xffffffffu, a[h][2 * qh + c], a_src);
+        a[h][2 + c] = fmaf(-l_hi, a_q, a[h][2 + c]);
+        if (qh == 0) a[h][c] = fmaf(-l_lo, a_q, a[h][c]);
+      }
+    }
+  }
+}
+
+// Exchange through shared memory. Off-diagonal tiles go lane for lane (16-byte
+// fragments, conflict-free); a diagonal block is stored row-major and read back
+// transposed (row stride 20 words: conflict-free both ways).
+__device__ __forceinline__ void store_frag(float4* t, const Tile& f, int lane) {
+  t[lane] = make_float4(f[0][0], f[0][1], f[0][2], f[0][3]);
+  t[32 + lane] = make_float4(f[1][0], f[1][1], f[1][2], f[1][3]);
+}
+
+__device__ __forceinline__ void load_frag(const float4* t, Tile& f, int lane) {
+  const float4 u = t[lane], v = t[32 + lane];
+  f[0][0] = u.x, f[0][1] = u.y, f[0][2] = u.z, f[0][3] = u.w;
+  f[1][0] = v.x, f[1][1] = v.y, f[1][2] = v.z, f[1][3] = v.w;
+}
+
+__device__ __forceinline__ void store_diag(float* t, const Tile& a, int lane) {
+  const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int v = 0; v < 2; ++v)
+      *reinterpret_cast<float2*>(t + (gid + 8 * v) * kDiagLd + 8 * h + 2 * t4) =
+          make_float2(a[h][2 * v], a[h][2 * v + 1]);
+}
+
+// x = a^T in the accumulator layout, a stored by store_diag.
+__device__ __forceinline__ void load_diag_transposed(const float* t, Tile& x, int lane) {
+  const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) x[h][e] = t[(8 * h + 2 * t4 + (e & 1)) * kDiagLd + gid + 8 * (e >> 1)];
+}
+
+// Output staging: the warp's 16 rows x 64 columns of A diag(beta) in bf16, rows padded to
+// 144 bytes: the 8 rows of an stmatrix matrix fall in distinct bank quads, row reads take
+// the minimum wavefronts, and every address is a lane term plus a constant.
+
+// Block (W, W): a = A_WW as it is; column j scaled by beta_j.
+__device__ __forceinline__ void stage_diag(uint32_t stage, const Tile& a, const float* beta, int W, int lane) {
+  const int t4 = lane & 3, m = lane >> 3;
+  uint32_t r[4];  // matrix 2h + v: rows 8v.., columns 8h.. of the block
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float2 b = *reinterpret_cast<const float2*>(beta + 16 * W + 8 * h + 2 * t4);
+#pragma unroll
+    for (int v = 0; v < 2; ++v) r[2 * h + v] = mma::pack_bf16(a[h][2 * v] * b.x, a[h][2 * v + 1] * b.y);
+  }
+  stmatrix_x4(stage + (8 * (m & 1) + (lane & 7)) * kStageLd + (2 * W + (m >> 1)) * 16, r);
+}
+
+// Block (W, J), J < W, from at = (A_WJ)^T: stored transposed; column j = 16 J + gid + 8 v.
+__device__ __forceinline__ void stage_transposed(uint32_t stage, const Tile& at, const float* beta, int J,
+                                                 int lane) {
+  const int gid = lane >> 2, m = lane >> 3;
+  uint32_t r[4];  // matrix 2h + v: rows 8v.., columns 8h.. of (A_WJ)^T
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    const float b = beta[16 * J + gid + 8 * v];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) r[2 * h + v] = mma::pack_bf16(at[h][2 * v] * b, at[h][2 * v + 1] * b);
+  }
+  mma::stmatrix_x4_trans(stage + (8 * (m >> 1) + (lane & 7)) * kStageLd + (2 * J + (m & 1)) * 16, r);
+}
+
+// Rows 16W .. 16W+15 of the 64x64 output: staged blocks J <= W, zeros right of them;
+// each store instruction writes four whole 128-byte rows.
+__device__ __forceinline__ void store_rows(const unsigned char* stage, __nv_bfloat16* a_out, int W, int lane) {
+  __syncwarp();
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int row = 4 * it + (lane >> 3), chunk = lane & 7;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (chunk < 2 * W + 2) v = *reinterpret_cast<const uint4*>(stage + row * kStageLd + chunk * 16);
+    *reinterpret_cast<uint4*>(a_out + (16 * W + row) * 64 + chunk * 8) = v;
+  }
+  __syncwarp();  // the staging is rewritten by the next value head
+}
+
+struct InverseSmem {
+  const float4* kk;  // K K^T tiles, lane for lane: block row w's tiles from w (w + 1) / 2
+  float* diag;
+  float4* off;       // (A_KJ)^T for (J, K) = (0, 1), (0, 2), (1, 2) at J + K - 1
+  unsigned char* stage;
+};
+
+// Tile L_WK = beta_i e^min(gc_i - gc_j, 0) (K K^T)_ij of block row W (strictly lower for
+// K = W), from the parked K K^T and this head's gates. Formed where used rather than kept
+// across the rounds' barriers: a few exponentials buy back the registers.
+template <int W>
+__device__ __forceinline__ void form_l(const float4* s_kk, const float* gc, const float* beta, int K, Tile& l,
+                                       int lane) {
+  const int gid = lane >> 2, t4 = lane & 3;
+  const int i0 = 16 * W + gid;
+  const float gc_i[2] = {gc[i0], gc[i0 + 8]}, beta_i[2] = {beta[i0], beta[i0 + 8]};
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float4 kk4 = s_kk[((W * (W + 1) / 2 + K) * 2 + h) * 32 + lane];
+    const float kk[4] = {kk4.x, kk4.y, kk4.z, kk4.w};
+    const float2 gc_j = *reinterpret_cast<const float2*>(gc + 16 * K + 8 * h + 2 * t4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int v = e >> 1, c = e & 1;
+      const float d = exp2_ftz(fminf(gc_i[v] - (c ? gc_j.y : gc_j.x), 0.f) * kLog2e);
+      const bool lower = K < W || 8 * h + 2 * t4 + c < gid + 8 * v;
+      l[h][e] = lower ? beta_i[v] * d * kk[e] : 0.f;
+    }
+  }
+}
+
+// One value head, block row W of the chunk (warp W); see NOTES. gc, beta: this head's
+// 64 gcum and beta values (shared memory).
+template <int W>
+__device__ __forceinline__ void invert_block_row(const InverseSmem& s, const float* gc, const float* beta,
+                                                 __nv_bfloat16* a_out) {
+  const int lane = lane_id();
+  unsigned char* stage_ptr = s.stage + W * kStageBytes;
+  const uint32_t stage = mma::smem_addr(stage_ptr);
+
+  // Phase 0: the diagonal block A_WW = (I + L_WW)^-1.
+  float l[2][4];
+  form_l<W>(s.kk, gc, beta, W, l, lane);
+  float a[2][4];  // A_WW
+  invert_unit_lower(l, a, lane);
+  if constexpr (W < 3) store_diag(s.diag + W * 16 * kDiagLd, a, lane);
+  stage_diag(stage, a, beta, W, lane);
+
+  // Rounds 1..3: T^T_J = sum_{K=J}^{W-1} (A_KJ)^T L_WK^T, term (J, K) in round K - J + 1;
+  // when complete (round W - J), (A_WJ)^T = -T^T_J A_WW^T.
+  float tt[W > 0 ? W : 1][2][4] = {};
+#pragma unroll
+  for (int round = 1; round <= 3; ++round) {
+    if (round == W + 1) store_rows(stage_ptr, a_out, W, lane);  // row W is complete
+    cta_barrier();
+#pragma unroll
+    for (int J = W - 1; J >= 0; --J) {
+      const int K = J + round - 1;
+      if (K >= W) continue;
+      float x[2][4];
+      if (K == J) load_diag_transposed(s.diag + J * 16 * kDiagLd, x, lane);
+      else load_frag(s.off + (J + K - 1) * 64, x, lane);
+      form_l<W>(s.kk, gc, beta, K, l, lane);
+      mma_tile(tt[J], x, l);
+      if (K == W - 1) {
+        float at[2][4] = {};
+        mma_tile(at, tt[J], a);
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) at[h][e] = -at[h][e];
+        if constexpr (W < 3) store_frag(s.off + (J + W - 1) * 64, at, lane);
+        stage_transposed(stage, at, beta, J, lane);
+      }
+    }
+  }
+  if constexpr (W == 3) store_rows(stage_ptr, a_out, W, lane);
+}
+
+// ---------------------------------------------------------------------------------
+// Loads and the L2 norm.
+
 __device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_t i) {
   if (dtype == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(beta)[i]);
   return static_cast<const float*>(beta)[i];
 }
 
-// The chunk's 64 rows of x [T, H, 128] (bf16) for head h: zero past the document end;
-// L2-normalised in fp32 if asked (then also written to `normed`, real rows only); into
-// the swizzled shared tile `tile` unless null. Threads: 16 per row, 8 rows per pass.
-__device__ __forceinline__ void load_rows(const __nv_bfloat16* __restrict__ x, __nv_bfloat16* normed,
-                                          unsigned char* tile, const ChunkPos& pos, int64_t H, int h,
-                                          bool l2norm) {
-  const int tid = threadIdx.x;
-  const int c = tid & 15;
-  uint4 raw[8];
+// The chunk's 64 rows of x [T, H, 128] (bf16) for head h into the swizzled tile, zeros
+// past the document end. Threads: 16 per row, 8 rows per pass.
+__device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, unsigned char* tile,
+                                          const ChunkPos& pos, int64_t H, int h) {
+  const int tid = threadIdx.x, c = tid & 15;
 #pragma unroll
   for (int it = 0; it < 8; ++it) {
     const int r = it * 8 + (tid >> 4);
-    raw[it] = make_uint4(0u, 0u, 0u, 0u);
-    if (r < pos.len) raw[it] = __ldg(reinterpret_cast<const uint4*>(x + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8));
-  }
-#pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const int r = it * 8 + (tid >> 4);
-    if (l2norm) {
-      __nv_bfloat162* pair = reinterpret_cast<__nv_bfloat162*>(&raw[it]);
-      float2 f[4];
-      float ss = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        f[e] = __bfloat1622float2(pair[e]);
-        ss = fmaf(f[e].x, f[e].x, ss);
-        ss = fmaf(f[e].y, f[e].y, ss);
-      }
-      // The 16 lanes of a row are one aligned half-warp.
-#pragma unroll
-      for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float rstd = rsqrtf(ss + kL2NormEps);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) pair[e] = __floats2bfloat162_rn(f[e].x * rstd, f[e].y * rstd);
-      if (r < pos.len) *reinterpret_cast<uint4*>(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8) = raw[it];
-    }
-    if (tile != nullptr) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = raw[it];
+    const bool real = r < pos.len;
+    const __nv_bfloat16* src = x + ((pos.t0 + (real ? r : 0)) * H + h) * kGdnHeadDim + c * 8;
+    mma::cp_async_16(mma::smem_addr(tile + swizzle_offset<16>(r, c)), src, real);
   }
 }
 
-__global__ void __launch_bounds__(kPrepThreads) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
-  // The k tile (bf16 64x128, swizzled) until K K^T is formed, then L (fp32 64 x kLd).
-  __shared__ __align__(128) unsigned char s_k_or_l[64 * kLd * sizeof(float)];
-  __shared__ float s_a[64 * kLd];
-  __shared__ float s_t[16 * kLdT];
-  __shared__ float s_gcum[64];
-  __shared__ float s_beta[64];
-  __shared__ float s_half;
+// The tile's rows scaled to unit L2 norm (fp32, rounded once to bf16), written to
+// `normed` (real rows only) and, if write_back, into the tile.
+__device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* normed, const ChunkPos& pos,
+                                            int64_t H, int h, bool write_back) {
+  const int tid = threadIdx.x, c = tid & 15;
+  uint4 raw[8];
+#pragma unroll
+  for (int it = 0; it < 8; ++it)
+    raw[it] = *reinterpret_cast<const uint4*>(tile + swizzle_offset<16>(it * 8 + (tid >> 4), c));
+#pragma unroll
+  for (int it = 0; it < 8; ++it) {
+    const int r = it * 8 + (tid >> 4);
+    __nv_bfloat162* pair = reinterpret_cast<__nv_bfloat162*>(&raw[it]);
+    float2 f[4];
+    float ss = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      f[e] = __bfloat1622float2(pair[e]);
+      ss = fmaf(f[e].x, f[e].x, ss);
+      ss = fmaf(f[e].y, f[e].y, ss);
+    }
+    // The 16 lanes of a row are one aligned half-warp.
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    const float rstd = rsqrtf(ss + kL2NormEps);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) pair[e] = __floats2bfloat162_rn(f[e].x * rstd, f[e].y * rstd);
+    if (r < pos.len) *reinterpret_cast<uint4*>(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8) = raw[it];
+    if (write_back) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = raw[it];
+  }
+}
 
-  const int64_t slot = blockIdx.x / p.H;
-  const int h = static_cast<int>(blockIdx.x % p.H);
+// gcum and beta of value heads hv0 .. hv0 + n - 1 (n <= kGateHeads), warp w taking head
+// hv0 + w: the chunk-local inclusive cumsum of g (pads have g = 0, so they repeat the last
+// value) to shared memory and p.gcum, beta (0 on pads) to shared memory.
+__device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& pos, int64_t slot, int64_t hv0,
+                                           int n, float (*s_gc)[64], float (*s_beta)[64]) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (warp >= n) return;
+  const int64_t hv = hv0 + warp;
+  float x[2], b[2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int i = 32 * s + lane;
+    const int64_t idx = (pos.t0 + i) * p.HV + hv;
+    x[s] = i < pos.len ? p.g[idx] : 0.f;
+    b[s] = i < pos.len ? load_beta(p.beta, p.beta_dtype, idx) : 0.f;
+  }
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const float y = __shfl_up_sync(0xffffffffu, x[s], o);
+      if (lane >= o) x[s] += y;
+    }
+  }
+  x[1] += __shfl_sync(0xffffffffu, x[0], 31);
+  float* gcum = p.gcum + (slot * p.HV + hv) * 64;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    s_gc[warp][32 * s + lane] = x[s];
+    s_beta[warp][32 * s + lane] = b[s];
+    gcum[32 * s + lane] = x[s];
+  }
+}
+
+__global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
+  __shared__ __align__(128) unsigned char smem[kSmemBytes];
+  __shared__ float s_gc[kGateHeads][64];
+  __shared__ float s_beta[kGateHeads][64];
+
+  const int H = static_cast<int>(p.H);  // head counts and the grid fit 32 bits: cheap division
+  const int64_t slot = blockIdx.x / H;
+  const int h = static_cast<int>(blockIdx.x % H);
   const int64_t NCused = p.chunk_offsets[p.N];
   if (slot >= NCused) return;  // an unused slot: nothing to do (the walk never reads it)
   const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
   const ChunkPos pos = find_chunk(p.chunk_offsets, cu, p.N, slot);
 
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int gid = lane >> 2, t4 = lane & 3;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: matrix index and row of this lane's address
+  const int G = static_cast<int>(p.HV) / H;
 
-  // 1. k (and q, only to normalise it) for this chunk and q/k head.
-  load_rows(static_cast<const __nv_bfloat16*>(p.k), static_cast<__nv_bfloat16*>(p.kn), s_k_or_l, pos, p.H,
-            h, p.use_qk_l2norm);
-  if (p.use_qk_l2norm)
-    load_rows(static_cast<const __nv_bfloat16*>(p.q), static_cast<__nv_bfloat16*>(p.qn), nullptr, pos, p.H,
-              h, true);
-  for (int e = tid; e < 64 * kLd; e += kPrepThreads) s_a[e] = 0.f;  // blocks above the diagonal stay 0
+  // 1. k and q in flight together; the first value heads' gates meanwhile.
+  copy_rows(static_cast<const __nv_bfloat16*>(p.k), smem + kKTile, pos, p.H, h);
+  if (p.use_qk_l2norm) copy_rows(static_cast<const __nv_bfloat16*>(p.q), smem + kQTile, pos, p.H, h);
+  mma::cp_async_commit();
+  load_gates(p, pos, slot, static_cast<int64_t>(h) * G, G < kGateHeads ? G : kGateHeads, s_gc, s_beta);
+  mma::cp_async_wait_all();
   __syncthreads();
 
-  // 2. K K^T, lower block triangle: warp w forms rows 16w.. for columns < 16w + 16.
-  float kk[8][4];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) kk[j][0] = kk[j][1] = kk[j][2] = kk[j][3] = 0.f;
+  // 2. The L2 norms: kn (and k's tile for K K^T), qn.
+  if (p.use_qk_l2norm) {
+    l2norm_rows(smem + kKTile, static_cast<__nv_bfloat16*>(p.kn), pos, p.H, h, true);
+    l2norm_rows(smem + kQTile, static_cast<__nv_bfloat16*>(p.qn), pos, p.H, h, false);
+    __syncthreads();
+  }
+
+  // 3. K K^T, lower block triangle: warp w forms rows 16w.. for columns < 16w + 16 and
+  //    parks its tiles in the q tile's space (q is done).
   {
-    const uint32_t k_base = mma::smem_addr(s_k_or_l);
+    float kk[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) kk[j][0] = kk[j][1] = kk[j][2] = kk[j][3] = 0.f;
+    const uint32_t k_base = mma::smem_addr(smem + kKTile);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       uint32_t a[4];
@@ -162,104 +521,38 @@ __global__ void __launch_bounds__(kPrepThreads) gdn_fwd_prep_kernel(const GdnFwd
         }
       }
     }
+    float4* s_kk = reinterpret_cast<float4*>(smem + kKK);
+#pragma unroll
+    for (int jt = 0; jt < 8; ++jt)
+      if ((jt >> 1) <= warp)
+        s_kk[((warp * (warp + 1) / 2 + (jt >> 1)) * 2 + (jt & 1)) * 32 + lane] =
+            make_float4(kk[jt][0], kk[jt][1], kk[jt][2], kk[jt][3]);
   }
+  __syncthreads();  // the k tile is free: the inverse's exchange tiles and staging go there
 
-  float* s_l = reinterpret_cast<float*>(s_k_or_l);
-  const int64_t G = p.HV / p.H;
-  for (int64_t gi = 0; gi < G; ++gi) {
-    const int64_t hv = h * G + gi;
-    __syncthreads();  // the k tile (first head) or the previous head's L, A, gcum, beta are free
-
-    // 3. gcum: chunk-local inclusive cumsum of g (pads have g = 0, so they repeat the last value).
-    float x = 0.f;
-    if (tid < 64) {
-      const bool real = tid < pos.len;
-      const int64_t idx = (pos.t0 + tid) * p.HV + hv;
-      x = real ? p.g[idx] : 0.f;
-      s_beta[tid] = real ? load_beta(p.beta, p.beta_dtype, idx) : 0.f;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const float y = __shfl_up_sync(0xffffffffu, x, o);
-        if (lane >= o) x += y;
-      }
-      if (tid == 31) s_half = x;
-    }
-    __syncthreads();
-    if (tid < 64) {
-      if (tid >= 32) x += s_half;
-      s_gcum[tid] = x;
-      p.gcum[(slot * p.HV + hv) * 64 + tid] = x;
-    }
-    __syncthreads();
-
-    // 4. L = strict_lower(beta_i e^(gcum_i - gcum_j) (K K^T)_ij), from the accumulators.
-#pragma unroll
-    for (int jt = 0; jt < 8; ++jt) {
-      if ((jt >> 1) <= warp) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = 16 * warp + gid + (e >> 1) * 8;
-          const int j = 8 * jt + 2 * t4 + (e & 1);
-          const float d = __expf(fminf(s_gcum[i] - s_gcum[j], 0.f));
-          s_l[i * kLd + j] = j < i ? s_beta[i] * d * kk[jt][e] : 0.f;
-        }
-      }
-    }
-    __syncthreads();
-
-    // 5. A = (I + L)^-1. Diagonal blocks: thread (b, c) solves column c of block b.
-    if (tid < 64) {
-      const int b = tid >> 4, c = tid & 15;
-      const float* lb = s_l + 16 * b * kLd + 16 * b;
-      float xs[16];
-#pragma unroll
-      for (int r = 0; r < 16; ++r) {
-        float acc = 0.f;
-#pragma unroll
-        for (int q = 0; q < r; ++q) acc = fmaf(lb[r * kLd + q], xs[q], acc);
-        xs[r] = r == c ? 1.f : (r > c ? -acc : 0.f);
-      }
-      float* ab = s_a + 16 * b * kLd + 16 * b;
-#pragma unroll
-      for (int r = 0; r < 16; ++r) ab[r * kLd + c] = xs[r];
-    }
-    // Block row I: T = L[I, :I] A[:I, :I], then A[I, :I] = -A_II T.
-#pragma unroll 1
-    for (int I = 1; I < 4; ++I) {
-      const int W = 16 * I;
+  // 4. Per value head: A diag(beta), warp w making block row w; gates staged kGateHeads
+  //    value heads at a time (the first group above).
+  const InverseSmem s{reinterpret_cast<const float4*>(smem + kKK), reinterpret_cast<float*>(smem + kDiag),
+                      reinterpret_cast<float4*>(smem + kOff), smem + kStage};
+  __nv_bfloat16* a_first =
+      static_cast<__nv_bfloat16*>(p.a) + (slot * p.HV + static_cast<int64_t>(h) * G) * 64 * 64;
+  for (int g0 = 0; g0 < G; g0 += kGateHeads) {
+    const int n = G - g0 < kGateHeads ? G - g0 : kGateHeads;
+    if (g0 > 0) {
+      __syncthreads();  // the previous group's gates are read
+      // The chunk is found again rather than its position held in registers through the inverses.
+      load_gates(p, find_chunk(p.chunk_offsets, cu, p.N, slot), slot, static_cast<int64_t>(h) * G + g0, n, s_gc,
+                 s_beta);
       __syncthreads();
-      for (int e = tid; e < 16 * W; e += kPrepThreads) {
-        const int i = e / W, col = e - i * W;
-        const float* lrow = s_l + (W + i) * kLd;
-        float acc = 0.f;
-        for (int q = 0; q < W; ++q) acc = fmaf(lrow[q], s_a[q * kLd + col], acc);
-        s_t[i * kLdT + col] = acc;
-      }
-      __syncthreads();
-      for (int e = tid; e < 16 * W; e += kPrepThreads) {
-        const int i = e / W, col = e - i * W;
-        const float* arow = s_a + (W + i) * kLd + W;
-        float acc = 0.f;
-#pragma unroll
-        for (int m = 0; m < 16; ++m) acc = fmaf(arow[m], s_t[m * kLdT + col], acc);
-        s_a[(W + i) * kLd + col] = -acc;
-      }
     }
-    __syncthreads();
-
-    // 6. a_ws = A diag(beta) in bf16, the whole 64x64 tile (zeros above the diagonal).
-    __nv_bfloat16* a_out = static_cast<__nv_bfloat16*>(p.a) + (slot * p.HV + hv) * 64 * 64;
-    for (int e = tid; e < 64 * 8; e += kPrepThreads) {
-      const int i = e >> 3, j0 = (e & 7) * 8;
-      uint32_t w[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int j = j0 + 2 * q;
-        const float v0 = j <= i ? s_a[i * kLd + j] * s_beta[j] : 0.f;
-        const float v1 = j + 1 <= i ? s_a[i * kLd + j + 1] * s_beta[j + 1] : 0.f;
-        w[q] = mma::pack_bf16(v0, v1);
+    for (int gl = 0; gl < n; ++gl) {
+      __nv_bfloat16* a_out = a_first + (g0 + gl) * 64 * 64;
+      switch (warp) {
+        case 0: invert_block_row<0>(s, s_gc[gl], s_beta[gl], a_out); break;
+        case 1: invert_block_row<1>(s, s_gc[gl], s_beta[gl], a_out); break;
+        case 2: invert_block_row<2>(s, s_gc[gl], s_beta[gl], a_out); break;
+        default: invert_block_row<3>(s, s_gc[gl], s_beta[gl], a_out); break;
       }
-      *reinterpret_cast<uint4*>(a_out + i * 64 + j0) = make_uint4(w[0], w[1], w[2], w[3]);
     }
   }
 }

@@ -1,26 +1,36 @@
 // Forward walk of the chunked gated delta rule with the output fused (see gdn_fwd.h).
 //
-// One CTA per (document, value head): two warpgroups, each holding 64 rows (value
-// columns) of the transposed state S^T (64 x 128 fp32, 64 registers per thread) across
-// all chunks of the document. They share the loads of q, k, v, A diag(beta), gcum and
-// the gated P~ (each forms half of its columns). Per chunk, every product is a
-// warpgroup MMA (wgmma, bf16 in, fp32 accumulate), B always from shared memory:
-//   P    = Q K^T, this warpgroup's 32 columns      SS   m64n32k128
-//   U^T  = S^T K^T                                 RS   m64n64k128
-//   O^T  = S^T Q^T                                 RS   m64n64k128
-//   X    = (V^T - e^gcum * U^T) (A diag(beta))^T   RS   m64n64k64, twice   (X = v_new^T)
-//   O^T  = scale e^gcum_i * O^T + X P~^T           RS   m64n64k64          (P~ = gated tril P)
-//   S^T  = e^gl S^T + (X * e^(gl - gcum)) K        RS   m64n128k64 (K as an MN-major operand)
+// One CTA per (document, value head), three warpgroups with separate jobs:
+//   state warpgroups 0 and 1: each holds 64 rows (value columns) of the transposed state
+//     S^T (64 x 128 fp32, 64 registers per thread) across all chunks of the document
+//     and runs the serial chain plus the output of its columns;
+//   aux warpgroup 2: loads chunks ahead (cp.async, zero fill past the document end) into
+//     a ring of three stages, and per chunk forms what does not depend on the state:
+//     P~ = scale tril(Q K^T * e^(gcum_i - gcum_j)) (bf16) and the gate vectors
+//     e^gcum_j and e^(gl - gcum_j).
+// Per chunk, every product is a warpgroup MMA (wgmma, bf16 in, fp32 accumulate), B
+// always from shared memory:
+//   P    = Q K^T                                   aux    SS  m64n32k128, two halves
+//   U^T  = S^T K^T                                 state  RS  m64n64k128
+//   O^T  = S^T Q^T                                 state  RS  m64n64k128
+//   X    = (V^T - e^gcum * U^T) (A diag(beta))^T   state  RS  m64n64k64, twice  (X = v_new^T)
+//   S^T  = e^gl S^T + (X * e^(gl - gcum)) K        state  RS  m64n128k64 (K MN-major)
+//   O^T  = scale e^gcum_i * O^T + X P~^T           state  RS  m64n64k64
 // The chain S -> U -> X -> S never leaves registers: S^T, W' = -e^gcum U^T and X are
-// accumulators turned into the next product's A fragment (wgmma_sm90.cuh). Q, K, V,
-// A diag(beta) and gcum of chunk c + 1 load (cp.async, zero fill past the document end)
-// while chunk c computes; the two warpgroups' serial chains hide each other's latency.
+// accumulators turned into the next product's A fragment (wgmma_sm90.cuh).
 //
 // NOTES:
+// - Why three warpgroups: with one thread doing loads, gating, exponentials and the
+//   chain, the walk was issue-latency bound (about 1300 instructions per warp and chunk
+//   at 4-5 cycles each, measured with ncu). The aux warpgroup takes everything that does
+//   not need S, so the state warpgroups issue little more than their wgmmas, and
+//   setmaxnreg moves registers from the aux warpgroup (few live values) to them.
+// - Stage handoff by named barriers: FULL[s] (aux arrives once chunk c's tiles, P~ and
+//   gate vectors are in stage s = c % 3; the state warpgroups wait) and EMPTY[s] (the
+//   state warpgroups arrive when done with chunk c; the aux waits before loading chunk
+//   c + 3 into it). Arrivals are only made where a wait will consume them.
 // - Value columns never mix (every product contracts over the head dim or over tokens),
 //   so a value column's result is the same instruction sequence whichever warpgroup runs it.
-// - Two warpgroups of one (document, head) rather than two CTAs: one copy of the shared
-//   tiles in shared memory (room for P~) and half the L2 traffic per head.
 // - Exponents are differences of chunk-local cumsums clamped to <= 0: strong decay
 //   underflows to 0, never to 0 * inf.
 // - o is staged (stmatrix.trans) into the warp's own, consumed columns of the V tile and
@@ -37,36 +47,149 @@
 namespace cake {
 namespace {
 
-constexpr int kWalkThreads = 256;  // two warpgroups
-constexpr int kBV = 64;             // value columns per warpgroup: its wgmma M
+constexpr int kWalkThreads = 384;  // state warpgroups 0, 1 and the aux warpgroup 2
+constexpr int kStateRegs = 224;  // setmaxnreg: 2 * 224 + 56 = 3 * 168, the launch allocation
+constexpr int kAuxRegs = 56;
+// setmaxnreg only moves registers within what the CTA got at launch (the launch bound's
+// cap per thread); asking for more makes the increasing warpgroups wait forever.
+static_assert(2 * kStateRegs + kAuxRegs <= 3 * (65536 / kWalkThreads / 8 * 8), "register pool overcommitted");
+constexpr int kStages = 3;
+constexpr int kBV = 64;  // value columns per state warpgroup: its wgmma M
 constexpr int kQOff = 0;
 constexpr int kKOff = kQOff + 64 * kGdnHeadDim * 2;
 constexpr int kVOff = kKOff + 64 * kGdnHeadDim * 2;
 constexpr int kAOff = kVOff + 64 * kGdnHeadDim * 2;
-constexpr int kGOff = kAOff + 64 * 64 * 2;
-constexpr int kStageBytes = kGOff + 1024;  // gcum (256 bytes), padded: every tile stays 1024-aligned
-constexpr int kPOff = 2 * kStageBytes;     // two load stages, then P~
-constexpr int kSmemBytes = kPOff + 64 * 64 * 2 + 1024;  // + slack to align the base to 1024
+constexpr int kPOff = kAOff + 64 * 64 * 2;
+constexpr int kGOff = kPOff + 64 * 64 * 2;  // gcum, e^gcum, e^(gl - gcum): 64 floats each
+constexpr int kStageBytes = kGOff + 1024;   // padded: every tile stays 1024-aligned
+constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
 
-__global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const GdnFwdArgs p) {
-  extern __shared__ unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (mma::smem_addr(smem_raw) & 1023)) & 1023);
+// Named barriers (0 is __syncthreads).
+constexpr int kBarFull = 1;    // + stage
+constexpr int kBarEmpty = 4;   // + stage
+constexpr int kBarAux = 7;     // the aux warpgroup alone
 
-  const int tid = threadIdx.x, lane = tid & 31;
-  const int wg = tid >> 7, warp = (tid >> 5) & 3;  // warpgroup, and warp within it
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+// The aux warpgroup: loads two chunks ahead; P~ and gate vectors one chunk ahead.
+__device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int64_t hv, int64_t h,
+                                              int64_t doc_start, int64_t doc_end, int nch, int64_t first_slot) {
+  const int tid = threadIdx.x - 256, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, t4 = lane & 3;
+  const float scale = p.scale;
+
+  // Thread tid copies 16-byte chunk lc of rows lr + 8 it of the q, k, v tiles and chunk
+  // ac of rows ar + 16 it of the A tile. Pointers at the document's first row.
+  const int lr = tid >> 4, lc = tid & 15;
+  const int ar = tid >> 3, ac = tid & 7;
+  const int64_t qk_row = p.H * kGdnHeadDim, v_row = p.HV * kGdnHeadDim;
+  const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.qn : p.q) +
+                            (doc_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
+  const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.kn : p.k) +
+                            (doc_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
+  const __nv_bfloat16* vd = static_cast<const __nv_bfloat16*>(p.v) + (doc_start + lr) * v_row + hv * kGdnHeadDim + lc * 8;
+  const __nv_bfloat16* ad = static_cast<const __nv_bfloat16*>(p.a) + (first_slot * p.HV + hv) * 64 * 64 + ar * 64 + ac * 8;
+  const float* gd = p.gcum + (first_slot * p.HV + hv) * 64 + tid * 4;
+  const int qkv_off = wgmma::sw128_offset(64, lr, lc), a_off = wgmma::sw128_offset(64, ar, ac);
+  const int doc_len = static_cast<int>(doc_end - doc_start);
+
+  auto issue_loads = [&](int c) {
+    const int stage = c % kStages;
+    if (c >= kStages) bar_sync(kBarEmpty + stage, kWalkThreads);  // the state warpgroups are done with c - 3
+    const uint32_t st = mma::smem_addr(smem + stage * kStageBytes);
+    const int left = doc_len - c * kGdnChunk - lr;  // rows of this thread below `left` are real
+    const int64_t tok = static_cast<int64_t>(c) * kGdnChunk;
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const bool ok = 8 * it < left;
+      const int64_t r = ok ? tok + 8 * it : 0;
+      mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, qd + r * qk_row, ok);
+      mma::cp_async_16(st + kKOff + qkv_off + 1024 * it, kd + r * qk_row, ok);
+      mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, vd + r * v_row, ok);
+    }
+    const int64_t chunk_ofs = static_cast<int64_t>(c) * p.HV;
+#pragma unroll
+    for (int it = 0; it < 4; ++it) mma::cp_async_16(st + kAOff + a_off + 2048 * it, ad + chunk_ofs * 64 * 64 + 16 * 64 * it, true);
+    if (tid < 16) mma::cp_async_16(st + kGOff + tid * 16, gd + chunk_ofs * 64, true);
+  };
+
+  if (nch > 0) issue_loads(0);
+  mma::cp_async_commit();
+  if (nch > 1) issue_loads(1);
+  mma::cp_async_commit();
+
+  for (int c = 0; c < nch; ++c) {
+    cp_async_wait<1>();          // this thread's copies of chunk c are in
+    wgmma::fence_proxy_async();  // cp.async wrote what wgmma reads
+    bar_sync(kBarAux, 128);      // ... and every aux thread's
+
+    unsigned char* st = smem + (c % kStages) * kStageBytes;
+    const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
+    float* gs = reinterpret_cast<float*>(st + kGOff);
+
+    // Gate vectors for the state warpgroups.
+    if (tid < 64) {
+      const float gj = gs[tid], gl = gs[kGdnChunk - 1];
+      gs[64 + tid] = __expf(gj);
+      gs[128 + tid] = __expf(fminf(gl - gj, 0.f));
+    }
+
+    // P~ in two halves of 32 columns j (this thread: rows i = 16 warp + gid (+8),
+    // columns j = 32 half + 8 jt + 2 t4 (+1)); computed for every element, then masked.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float pq[16];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) pq[i] = 0.f;
+      wgmma::fence();
+#pragma unroll
+      for (int ks = 0; ks < 8; ++ks)
+        wgmma::mma_ss_m64n32k16(pq, wgmma::desc_k_major(sq, 64, ks), wgmma::desc_k_major(sk + 32 * 128 * half, 64, ks),
+                                ks > 0);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(pq);
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 16 * warp + gid + 8 * hh;
+        const float gi = gs[i];
+#pragma unroll
+        for (int jt = 0; jt < 4; ++jt) {
+          const int j = 32 * half + 8 * jt + 2 * t4;
+          const float2 gj = *reinterpret_cast<const float2*>(gs + j);
+          const float p0 = pq[4 * jt + 2 * hh] * scale * __expf(fminf(gi - gj.x, 0.f));
+          const float p1 = pq[4 * jt + 2 * hh + 1] * scale * __expf(fminf(gi - gj.y, 0.f));
+          *reinterpret_cast<uint32_t*>(st + kPOff + wgmma::sw128_offset(64, i, 4 * half + jt) + 4 * t4) =
+              wgmma::pack_bf16(j <= i ? p0 : 0.f, j + 1 <= i ? p1 : 0.f);
+        }
+      }
+    }
+    wgmma::fence_proxy_async();                        // P~ is read by wgmma
+    bar_arrive(kBarFull + c % kStages, kWalkThreads);  // stage c % 3 is ready
+
+    // Then chunk c + 2, into the stage the state warpgroups free after chunk c - 1:
+    // P~ of chunk c is ready before they ask for it.
+    if (c + 2 < nch) issue_loads(c + 2);
+    mma::cp_async_commit();
+  }
+}
+
+// A state warpgroup: the walk of 64 value columns (v0 ..) of one (document, value head).
+__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int64_t n,
+                                                int64_t hv, int64_t doc_start, int64_t doc_end, int nch) {
+  const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix/stmatrix: this lane's matrix and row
-
-  const int64_t hv = blockIdx.x % p.HV;
-  const int64_t n = blockIdx.x / p.HV;
-  const int64_t h = hv / (p.HV / p.H);
   const int v0 = wg * kBV;
-
-  const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
-  const int64_t doc_start = cu[n], doc_end = cu[n + 1];
-  const int nch = doc_end > doc_start ? static_cast<int>((doc_end - doc_start + kGdnChunk - 1) / kGdnChunk) : 0;
-  const int64_t first_slot = p.chunk_offsets[n];
-
   __nv_bfloat16* og = static_cast<__nv_bfloat16*>(p.o);
   const float scale = p.scale;
 
@@ -88,71 +211,23 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
     for (int i = 0; i < 64; ++i) s[i] = 0.f;
   }
 
-  // Loads of one chunk: thread tid copies 16-byte chunk `lc` of rows lr + 16 it of the
-  // q, k and v tiles and of rows ar + 32 it of the A tile; rows past the document end
-  // read nothing and are zero-filled. Pointers at the document's first row.
-  const int lr = tid >> 4, lc = tid & 15;
-  const int ar = tid >> 3, ac = tid & 7;
-  const int64_t qk_row = p.H * kGdnHeadDim, v_row = p.HV * kGdnHeadDim;
-  const __nv_bfloat16* qd =
-      static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.qn : p.q) + (doc_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* kd =
-      static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.kn : p.k) + (doc_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* vd = static_cast<const __nv_bfloat16*>(p.v) + (doc_start + lr) * v_row + hv * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* ad = static_cast<const __nv_bfloat16*>(p.a) + (first_slot * p.HV + hv) * 64 * 64 + ar * 64 + ac * 8;
-  const float* gd = p.gcum + (first_slot * p.HV + hv) * 64 + tid * 4;
-  const int qkv_off = wgmma::sw128_offset(64, lr, lc), a_off = wgmma::sw128_offset(64, ar, ac);
-
-  auto issue_loads = [&](int c, int stage) {
-    const uint32_t st = mma::smem_addr(smem + stage * kStageBytes);
-    const int left = static_cast<int>(doc_end - doc_start) - c * kGdnChunk - lr;  // rows of this thread < left are real
-    const int64_t tok = static_cast<int64_t>(c) * kGdnChunk;
-#pragma unroll
-    for (int it = 0; it < 4; ++it) {
-      const bool ok = 16 * it < left;
-      const int64_t r = ok ? tok + 16 * it : 0;
-      mma::cp_async_16(st + kQOff + qkv_off + 2048 * it, qd + r * qk_row, ok);
-      mma::cp_async_16(st + kKOff + qkv_off + 2048 * it, kd + r * qk_row, ok);
-      mma::cp_async_16(st + kVOff + qkv_off + 2048 * it, vd + r * v_row, ok);
-    }
-    const int64_t a_chunk = static_cast<int64_t>(c) * p.HV * 64 * 64;
-#pragma unroll
-    for (int it = 0; it < 2; ++it) mma::cp_async_16(st + kAOff + a_off + 4096 * it, ad + a_chunk + 32 * 64 * it, true);
-    if (tid < 16) mma::cp_async_16(st + kGOff + tid * 16, gd + static_cast<int64_t>(c) * p.HV * 64, true);
-  };
-
-  const uint32_t sp = mma::smem_addr(smem + kPOff);
-
-  if (nch > 0) issue_loads(0, 0);
-  mma::cp_async_commit();
-
   for (int c = 0; c < nch; ++c) {
-    mma::cp_async_wait_all();
-    wgmma::fence_proxy_async();  // cp.async wrote the tiles that wgmma reads
-    __syncthreads();             // chunk c has landed; chunk c - 1's stage and P~ are free
-    if (c + 1 < nch) issue_loads(c + 1, (c + 1) & 1);
-    mma::cp_async_commit();
-
-    unsigned char* st = smem + (c & 1) * kStageBytes;
+    const int stage = c % kStages;
+    bar_sync(kBarFull + stage, kWalkThreads);  // chunk c, its P~ and gate vectors are in
+    unsigned char* st = smem + stage * kStageBytes;
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     const uint32_t sv = mma::smem_addr(st + kVOff), sa = mma::smem_addr(st + kAOff);
+    const uint32_t sp = mma::smem_addr(st + kPOff);
     const float* gs = reinterpret_cast<const float*>(st + kGOff);
-    const int64_t t0 = doc_start + static_cast<int64_t>(c) * kGdnChunk;
-    const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
 
-    // (1) Group 1: P = Q K^T (columns 32 wg ..) and U^T = S^T K^T. Group 2: O^T = S^T Q^T.
+    // (1) Group 1: U^T = S^T K^T. Group 2: O^T = S^T Q^T.
     uint32_t sfrag[8][4];
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) wgmma::to_a_frag(sfrag[ks], s, ks);
-    float pq[16], u[32], o[32];
+    float u[32], o[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) u[i] = o[i] = 0.f;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) pq[i] = 0.f;
     wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-      wgmma::mma_ss_m64n32k16(pq, wgmma::desc_k_major(sq, 64, ks), wgmma::desc_k_major(sk + 32 * 128 * wg, 64, ks), ks > 0);
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(u, sfrag[ks], wgmma::desc_k_major(sk, 64, ks), ks > 0);
     wgmma::commit();
@@ -160,49 +235,26 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
     for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(o, sfrag[ks], wgmma::desc_k_major(sq, 64, ks), ks > 0);
     wgmma::commit();
 
-    // Meanwhile: V^T as A fragments (tokens = k), and this thread's gate factors. The
-    // accumulator columns of this thread are tokens j = 8 jt + 2 t4 + (e & 1).
+    // Meanwhile: V^T as A fragments (tokens = k).
     uint32_t vfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
       mma::ldmatrix_x4_trans(vfrag[ks],
                              sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)));
-    float eg[16];  // e^gcum_j
-#pragma unroll
-    for (int jt = 0; jt < 8; ++jt) {
-      const float2 gj = *reinterpret_cast<const float2*>(gs + 8 * jt + 2 * t4);
-      eg[2 * jt] = __expf(gj.x);
-      eg[2 * jt + 1] = __expf(gj.y);
-    }
+    // e^gcum_j of this thread's accumulator columns j = 8 jt + 2 t4 (+1), read where used
+    // (registers are the scarce resource here).
+    const float2* eg = reinterpret_cast<const float2*>(gs + 64 + 2 * t4);
 
+    // (2) Group 3: X = V^T (A diag(beta))^T + W' (A diag(beta))^T with W' = -e^gcum_j U^T.
     wgmma::wait<1>();
-    wgmma::fence_operands(pq);
     wgmma::fence_operands(u);
-
-    // (2) P~ = scale tril(P * e^(gcum_i - gcum_j)) into shared memory, bf16: rows i of
-    // this thread 16 warp + gid (+8), columns j = 32 wg + 8 jt + 2 t4 (+1).
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = 16 * warp + gid + 8 * hh;
-      const float gi = gs[i];
-#pragma unroll
-      for (int jt = 0; jt < 4; ++jt) {
-        const int j = 32 * wg + 8 * jt + 2 * t4;
-        const float2 gj = *reinterpret_cast<const float2*>(gs + j);
-        // Computed for every element, then selected: no divergent branches.
-        const float p0 = pq[4 * jt + 2 * hh] * scale * __expf(fminf(gi - gj.x, 0.f));
-        const float p1 = pq[4 * jt + 2 * hh + 1] * scale * __expf(fminf(gi - gj.y, 0.f));
-        *reinterpret_cast<uint32_t*>(smem + kPOff + wgmma::sw128_offset(64, i, 4 * wg + jt) + 4 * t4) =
-            wgmma::pack_bf16(j <= i ? p0 : 0.f, j + 1 <= i ? p1 : 0.f);
-      }
-    }
-    wgmma::fence_proxy_async();
-
-    // (3) Group 3: X = V^T (A diag(beta))^T + W' (A diag(beta))^T with W' = -e^gcum_j U^T.
 #pragma unroll
     for (int jt = 0; jt < 8; ++jt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) u[4 * jt + e] *= -eg[2 * jt + (e & 1)];
+      const float2 e = eg[4 * jt];
+      u[4 * jt + 0] *= -e.x;
+      u[4 * jt + 1] *= -e.y;
+      u[4 * jt + 2] *= -e.x;
+      u[4 * jt + 3] *= -e.y;
     }
     uint32_t wfrag[4][4];
 #pragma unroll
@@ -217,52 +269,53 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), 1);
     wgmma::commit();
 
-    // (4) O^T columns (tokens i) scaled by scale e^gcum_i, once group 2 is done.
+    // (3) O^T columns (tokens i) scaled by scale e^gcum_i, once group 2 is done.
     wgmma::wait<1>();
     wgmma::fence_operands(o);
 #pragma unroll
     for (int jt = 0; jt < 8; ++jt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) o[4 * jt + e] *= scale * eg[2 * jt + (e & 1)];
+      const float2 e = eg[4 * jt];
+      o[4 * jt + 0] *= scale * e.x;
+      o[4 * jt + 1] *= scale * e.y;
+      o[4 * jt + 2] *= scale * e.x;
+      o[4 * jt + 3] *= scale * e.y;
     }
     wgmma::wait<0>();
     wgmma::fence_operands(x);
-    __syncthreads();  // P~ complete from both warpgroups
 
-    // (5) Group 4: O^T += X P~^T. Group 5: S^T = e^gl S^T + (X * e^(gl - gcum_j)) K.
+    // (4) Group 4: S^T = e^gl S^T + (X * e^(gl - gcum_j)) K, the serial chain first.
+    // Group 5: O^T += X P~^T.
     uint32_t xfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xfrag[ks], x, ks);
-    const float gl = gs[kGdnChunk - 1];
-    const float gamma = __expf(gl);
 #pragma unroll
     for (int jt = 0; jt < 8; ++jt) {
-      const float2 gj = *reinterpret_cast<const float2*>(gs + 8 * jt + 2 * t4);
-      const float d0 = __expf(fminf(gl - gj.x, 0.f));
-      const float d1 = __expf(fminf(gl - gj.y, 0.f));
-      x[4 * jt + 0] *= d0;
-      x[4 * jt + 1] *= d1;
-      x[4 * jt + 2] *= d0;
-      x[4 * jt + 3] *= d1;
+      const float2 d = *reinterpret_cast<const float2*>(gs + 128 + 8 * jt + 2 * t4);
+      x[4 * jt + 0] *= d.x;
+      x[4 * jt + 1] *= d.y;
+      x[4 * jt + 2] *= d.x;
+      x[4 * jt + 3] *= d.y;
     }
     uint32_t xtfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xtfrag[ks], x, ks);
+    const float gamma = gs[64 + kGdnChunk - 1];  // e^gl
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] *= gamma;
     wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(o, xfrag[ks], wgmma::desc_k_major(sp, 64, ks), 1);
-    wgmma::commit();
-#pragma unroll
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_rs_m64n128k16<1>(s, xtfrag[ks], wgmma::desc_mn_major(sk, 64, ks), 1);
     wgmma::commit();
-    wgmma::wait<1>();
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(o, xfrag[ks], wgmma::desc_k_major(sp, 64, ks), 1);
+    wgmma::commit();
+    wgmma::wait<0>();
     wgmma::fence_operands(o);
+    wgmma::fence_operands(s);
 
-    // (6) o: stage O^T transposed into this warp's (consumed) columns of the V tile,
-    // then 16-byte stores of the real rows. Overlaps the state update.
+    // (5) o: stage O^T transposed into this warp's (consumed) columns of the V tile,
+    // then 16-byte stores of the real rows; then the stage goes back to the aux.
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t r[4];
@@ -270,6 +323,8 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
       mma::stmatrix_x4_trans(sv + wgmma::sw128_offset(64, 16 * jj + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)), r);
     }
     __syncwarp();
+    const int64_t t0 = doc_start + static_cast<int64_t>(c) * kGdnChunk;
+    const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
       const int row = 16 * it + (lane >> 1), ch = lane & 1;
@@ -279,19 +334,38 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
         *reinterpret_cast<uint4*>(og + ((t0 + row) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * ch) = val;
       }
     }
-    wgmma::wait<0>();
-    wgmma::fence_operands(s);
+    if (c + kStages < nch) bar_arrive(kBarEmpty + stage, kWalkThreads);
   }
 
   // Final state (also for an empty document: the initial state or zeros).
   float* fs = p.final_state + (n * p.HV + hv) * kGdnHeadDim * kGdnHeadDim;
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) {
-    const int kd2 = 8 * nt + 2 * t4;
-    fs[kd2 * kGdnHeadDim + col] = s[4 * nt + 0];
-    fs[(kd2 + 1) * kGdnHeadDim + col] = s[4 * nt + 1];
-    fs[kd2 * kGdnHeadDim + col + 8] = s[4 * nt + 2];
-    fs[(kd2 + 1) * kGdnHeadDim + col + 8] = s[4 * nt + 3];
+    const int kd = 8 * nt + 2 * t4;
+    fs[kd * kGdnHeadDim + col] = s[4 * nt + 0];
+    fs[(kd + 1) * kGdnHeadDim + col] = s[4 * nt + 1];
+    fs[kd * kGdnHeadDim + col + 8] = s[4 * nt + 2];
+    fs[(kd + 1) * kGdnHeadDim + col + 8] = s[4 * nt + 3];
+  }
+}
+
+__global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const GdnFwdArgs p) {
+  extern __shared__ unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (mma::smem_addr(smem_raw) & 1023)) & 1023);
+
+  const int64_t hv = blockIdx.x % p.HV;
+  const int64_t n = blockIdx.x / p.HV;
+  const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
+  const int64_t doc_start = cu[n], doc_end = cu[n + 1];
+  const int nch = doc_end > doc_start ? static_cast<int>((doc_end - doc_start + kGdnChunk - 1) / kGdnChunk) : 0;
+
+  const int wg = threadIdx.x >> 7;
+  if (wg == 2) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs));
+    aux_warpgroup(p, smem, hv, hv / (p.HV / p.H), doc_start, doc_end, nch, p.chunk_offsets[n]);
+  } else {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs));
+    state_warpgroup(p, smem, wg, n, hv, doc_start, doc_end, nch);
   }
 }
 
