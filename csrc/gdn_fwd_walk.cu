@@ -85,6 +85,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
                                               int64_t doc_start, int64_t doc_end, int nch, int64_t first_slot) {
   const int tid = threadIdx.x - 256, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
+  const int mi = lane >> 3, r8 = lane & 7;  // stmatrix: this lane's matrix and row
   const float scale = p.scale;
 
   // Thread tid copies 16-byte chunk lc of rows lr + 8 it of the q, k, v tiles and chunk
@@ -108,13 +109,16 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     const uint32_t st = mma::smem_addr(smem + stage * kStageBytes);
     const int left = doc_len - c * kGdnChunk - lr;  // rows of this thread below `left` are real
     const int64_t tok = static_cast<int64_t>(c) * kGdnChunk;
+    const __nv_bfloat16 *q = qd + tok * qk_row, *k = kd + tok * qk_row, *v = vd + tok * v_row;
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
-      const bool ok = 8 * it < left;
-      const int64_t r = ok ? tok + 8 * it : 0;
-      mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, qd + r * qk_row, ok);
-      mma::cp_async_16(st + kKOff + qkv_off + 1024 * it, kd + r * qk_row, ok);
-      mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, vd + r * v_row, ok);
+      const bool ok = 8 * it < left;  // else nothing is read (zero fill) from a valid address
+      mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, ok ? q : qd, ok);
+      mma::cp_async_16(st + kKOff + qkv_off + 1024 * it, ok ? k : kd, ok);
+      mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok);
+      q += 8 * qk_row;
+      k += 8 * qk_row;
+      v += 8 * v_row;
     }
     const int64_t chunk_ofs = static_cast<int64_t>(c) * p.HV;
 #pragma unroll
@@ -168,9 +172,18 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
           const float2 gj = *reinterpret_cast<const float2*>(gs + j);
           const float p0 = pq[4 * jt + 2 * hh] * scale * __expf(fminf(gi - gj.x, 0.f));
           const float p1 = pq[4 * jt + 2 * hh + 1] * scale * __expf(fminf(gi - gj.y, 0.f));
-          *reinterpret_cast<uint32_t*>(st + kPOff + wgmma::sw128_offset(64, i, 4 * half + jt) + 4 * t4) =
-              wgmma::pack_bf16(j <= i ? p0 : 0.f, j + 1 <= i ? p1 : 0.f);
+          pq[4 * jt + 2 * hh] = j <= i ? p0 : 0.f;
+          pq[4 * jt + 2 * hh + 1] = j + 1 <= i ? p1 : 0.f;
         }
+      }
+      // The accumulator layout is the ldmatrix layout of 16x16 blocks: one stmatrix per block.
+#pragma unroll
+      for (int kb = 0; kb < 2; ++kb) {
+        uint32_t r[4];
+        wgmma::to_a_frag(r, pq, kb);
+        mma::stmatrix_x4(mma::smem_addr(st + kPOff) +
+                             wgmma::sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 4 * half + 2 * kb + (mi >> 1)),
+                         r);
       }
     }
     wgmma::fence_proxy_async();                        // P~ is read by wgmma
