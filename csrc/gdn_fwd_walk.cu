@@ -60,7 +60,7 @@ constexpr int kKOff = kQOff + 64 * kGdnHeadDim * 2;
 constexpr int kVOff = kKOff + 64 * kGdnHeadDim * 2;
 constexpr int kAOff = kVOff + 64 * kGdnHeadDim * 2;
 constexpr int kPOff = kAOff + 64 * 64 * 2;
-constexpr int kGOff = kPOff + 64 * 64 * 2;  // gcum, e^gcum, e^(gl - gcum): 64 floats each
+constexpr int kGOff = kPOff + 64 * 64 * 2;  // gcum, -e^gcum, e^(gl - gcum), scale e^gcum: 64 floats each
 constexpr int kStageBytes = kGOff + 1024;   // padded: every tile stays 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
 
@@ -140,11 +140,13 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     float* gs = reinterpret_cast<float*>(st + kGOff);
 
-    // Gate vectors for the state warpgroups.
+    // Gate vectors for the state warpgroups, in the form they multiply with.
     if (tid < 64) {
       const float gj = gs[tid], gl = gs[kGdnChunk - 1];
-      gs[64 + tid] = __expf(gj);
+      const float eg = __expf(gj);
+      gs[64 + tid] = -eg;
       gs[128 + tid] = __expf(fminf(gl - gj, 0.f));
+      gs[192 + tid] = scale * eg;
     }
 
     // P~ in two halves of 32 columns j (this thread: rows i = 16 warp + gid (+8),
@@ -254,20 +256,21 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     for (int ks = 0; ks < 4; ++ks)
       mma::ldmatrix_x4_trans(vfrag[ks],
                              sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)));
-    // e^gcum_j of this thread's accumulator columns j = 8 jt + 2 t4 (+1), read where used
-    // (registers are the scarce resource here).
-    const float2* eg = reinterpret_cast<const float2*>(gs + 64 + 2 * t4);
+    // Gate factors of this thread's accumulator columns j = 8 jt + 2 t4 (+1), read where
+    // used (registers are the scarce resource here): -e^gcum_j and scale e^gcum_j.
+    const float2* neg_eg = reinterpret_cast<const float2*>(gs + 64 + 2 * t4);
+    const float2* scale_eg = reinterpret_cast<const float2*>(gs + 192 + 2 * t4);
 
     // (2) Group 3: X = V^T (A diag(beta))^T + W' (A diag(beta))^T with W' = -e^gcum_j U^T.
     wgmma::wait<1>();
     wgmma::fence_operands(u);
 #pragma unroll
     for (int jt = 0; jt < 8; ++jt) {
-      const float2 e = eg[4 * jt];
-      u[4 * jt + 0] *= -e.x;
-      u[4 * jt + 1] *= -e.y;
-      u[4 * jt + 2] *= -e.x;
-      u[4 * jt + 3] *= -e.y;
+      const float2 e = neg_eg[4 * jt];
+      u[4 * jt + 0] *= e.x;
+      u[4 * jt + 1] *= e.y;
+      u[4 * jt + 2] *= e.x;
+      u[4 * jt + 3] *= e.y;
     }
     uint32_t wfrag[4][4];
 #pragma unroll
@@ -287,11 +290,11 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     wgmma::fence_operands(o);
 #pragma unroll
     for (int jt = 0; jt < 8; ++jt) {
-      const float2 e = eg[4 * jt];
-      o[4 * jt + 0] *= scale * e.x;
-      o[4 * jt + 1] *= scale * e.y;
-      o[4 * jt + 2] *= scale * e.x;
-      o[4 * jt + 3] *= scale * e.y;
+      const float2 e = scale_eg[4 * jt];
+      o[4 * jt + 0] *= e.x;
+      o[4 * jt + 1] *= e.y;
+      o[4 * jt + 2] *= e.x;
+      o[4 * jt + 3] *= e.y;
     }
     wgmma::wait<0>();
     wgmma::fence_operands(x);
@@ -312,7 +315,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     uint32_t xtfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xtfrag[ks], x, ks);
-    const float gamma = gs[64 + kGdnChunk - 1];  // e^gl
+    const float gamma = -gs[64 + kGdnChunk - 1];  // e^gl
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] *= gamma;
     wgmma::fence();

@@ -42,14 +42,18 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr, uint32_t lead
   return d;
 }
 
+// The k16 steps of one tile differ only in the start address: its field (address >> 4,
+// bits 0..13) takes the step's byte offset >> 4 without a carry out, since shared memory
+// lies below 256 KB. So a tile's descriptor is formed once and each step adds a constant.
+
 // Operand k16 step `s` of a K-major SW128 tile with `rows` rows at `tile`.
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int rows, int s) {
-  return desc_sw128(tile + (s >> 2) * rows * 128 + (s & 3) * 32, 16, 1024);
+  return desc_sw128(tile, 16, 1024) + static_cast<uint32_t>(((s >> 2) * rows * 128 + (s & 3) * 32) >> 4);
 }
 
 // Operand k16 step `s` of an MN-major SW128 tile (rows = K) with `rows` rows at `tile`.
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows, int s) {
-  return desc_sw128(tile + s * 16 * 128, rows * 128, 1024);
+  return desc_sw128(tile, rows * 128, 1024) + static_cast<uint32_t>((s * 16 * 128) >> 4);
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
