@@ -164,13 +164,15 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
 // Inputs made dense, outputs and workspaces allocated (never initialised: the kernels
 // write what is read), and the launch arguments pointing at them.
 struct GdnFwdCall {
-  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, qn, kn;
+  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, qn, kn, seg_offsets, seg_state,
+      seg_transfer;
   GdnFwdArgs args;
 };
 
 GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
-                           const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm) {
+                           const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
+                           int seg_chunks) {
   GdnFwdCall c;
   c.q = dense16(q);
   c.k = dense16(k);
@@ -182,6 +184,12 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   const auto bf16 = q.options().dtype(at::kBFloat16);
   const int64_t NC = gdn_fwd_chunk_slots(s.T, s.N);
   c.chunk_offsets = at::empty({s.N + 1}, q.options().dtype(at::kInt));
+  c.seg_offsets = at::empty({s.N + 1}, q.options().dtype(at::kInt));
+  if (seg_chunks > 0) {
+    const int64_t NS = gdn_fwd_segment_slots(s.T, s.N, seg_chunks);
+    c.seg_state = at::empty({NS, s.HV, kGdnHeadDim, kGdnHeadDim}, f32);
+    c.seg_transfer = at::empty({NS, s.HV, kGdnHeadDim, kGdnHeadDim}, f32);
+  }
   c.a = at::empty({NC, s.HV, 64, 64}, bf16);
   c.gcum = at::empty({NC, s.HV, 64}, f32);
   if (use_qk_l2norm) {
@@ -210,6 +218,10 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.gcum = c.gcum.data_ptr<float>();
   a.qn = c.qn.defined() ? c.qn.data_ptr() : nullptr;
   a.kn = c.kn.defined() ? c.kn.data_ptr() : nullptr;
+  a.seg_offsets = c.seg_offsets.data_ptr<int32_t>();
+  a.seg_state = c.seg_state.defined() ? c.seg_state.data_ptr<float>() : nullptr;
+  a.seg_transfer = c.seg_transfer.defined() ? c.seg_transfer.data_ptr<float>() : nullptr;
+  a.seg_chunks = seg_chunks;
   a.T = s.T;
   a.N = s.N;
   a.H = s.H;
@@ -219,12 +231,14 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   return c;
 }
 
+// The whole forward: (o, final_state). segment_chunks: -1 lets the plan choose the cut
+// grid (fixed for deterministic, shape- and SM-count-dependent otherwise); >= 0 forces
+// one (0: uncut), for tests and tuning.
 std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta,
                                            const at::Tensor& cu_seqlens,
                                            const std::optional<at::Tensor>& initial_state, double scale,
-                                           bool use_qk_l2norm, bool deterministic) {
-  (void)deterministic;  // the kernels are deterministic either way
+                                           bool use_qk_l2norm, bool deterministic, int64_t segment_chunks) {
   const GdnShapes s = check_gdn_inputs("gdn_fwd", q, k, &v, g, beta, cu_seqlens);
   if (initial_state) {
     TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({s.N, s.HV, kGdnHeadDim, kGdnHeadDim}),
@@ -234,8 +248,18 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
                 initial_state->scalar_type());
     check_same_device(*initial_state, q, "gdn_fwd", "initial_state");
   }
+  TORCH_CHECK(segment_chunks >= -1 && segment_chunks <= (1 << 20), "gdn_fwd: segment_chunks must be -1 (the plan's "
+              "choice), 0 (uncut) or a cut grid in chunks, got ", segment_chunks);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm);
+  int sm_count = 0;
+  if (segment_chunks < 0 && !deterministic) {
+    const cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.device().index());
+    TORCH_CHECK(err == cudaSuccess, "gdn_fwd: cannot read the SM count: ", cudaGetErrorString(err));
+  }
+  const int seg_chunks = segment_chunks >= 0
+                             ? static_cast<int>(segment_chunks)
+                             : gdn_fwd_choose_segment_chunks(s.T, s.N, s.HV, deterministic, sm_count);
+  GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, seg_chunks);
   const cudaError_t err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(err));
   return {c.o, c.final_state};
@@ -249,8 +273,10 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q, const at::T
                                                 bool use_qk_l2norm) {
   const GdnShapes s = check_gdn_inputs("gdn_fwd_prep", q, k, nullptr, g, beta, cu_seqlens);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  GdnFwdCall c = prepare_gdn_fwd(s, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, 1.0, use_qk_l2norm);
-  const cudaError_t err = gdn_fwd_prep_launch(c.args, c10::cuda::getCurrentCUDAStream());
+  GdnFwdCall c = prepare_gdn_fwd(s, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, 1.0, use_qk_l2norm, 0);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err = gdn_fwd_plan_launch(c.args, stream);
+  if (err == cudaSuccess) err = gdn_fwd_prep_launch(c.args, stream);
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd_prep: kernel launch failed: ", cudaGetErrorString(err));
   return {c.a, c.gcum};
 }
@@ -264,7 +290,8 @@ TORCH_LIBRARY(cake_cuda, m) {
       "Tensor? initial_state, bool silu) -> Tensor");
   m.def(
       "gdn_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
-      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic) -> (Tensor, Tensor)");
+      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1) "
+      "-> (Tensor, Tensor)");
   m.def(
       "gdn_fwd_prep(Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, bool use_qk_l2norm) "
       "-> (Tensor, Tensor)");

@@ -1,7 +1,7 @@
 #pragma once
 
-// Packed variable-length documents cut into 64-token chunks, on the device (the CUDA
-// side of cake_ops/varlen.py). Document n has ceil(len_n / 64) chunks; they occupy
+// Packed variable-length documents cut into 64-token chunks (and the walk into
+// segments of chunks), on the device (the CUDA side of cake_ops/varlen.py). Document n has ceil(len_n / 64) chunks; they occupy
 // chunk slots chunk_offsets[n] .. chunk_offsets[n+1] - 1 of a static grid of
 // ceil(T / 64) + N slots (an upper bound: no host sync, CUDA-graph safe). Slots at
 // or past chunk_offsets[N] are unused.
@@ -28,20 +28,51 @@ struct ChunkPos {
   int len;
 };
 
-// The chunk in `slot` (< chunk_offsets[N]): the document n with
-// chunk_offsets[n] <= slot < chunk_offsets[n + 1] (so empty documents are skipped).
-__device__ __forceinline__ ChunkPos find_chunk(const int32_t* chunk_offsets, CuSeqlens cu, int64_t N,
-                                               int64_t slot) {
-  int64_t lo = 0, hi = N;  // chunk_offsets[lo] <= slot < chunk_offsets[hi]
+// The document n with offsets[n] <= slot < offsets[n + 1], for slot < offsets[N] (so
+// documents with no slots are skipped): binary search.
+__device__ __forceinline__ int64_t find_document(const int32_t* offsets, int64_t N, int64_t slot) {
+  int64_t lo = 0, hi = N;  // offsets[lo] <= slot < offsets[hi]
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
-    if (chunk_offsets[mid] <= slot) lo = mid;
+    if (offsets[mid] <= slot) lo = mid;
     else hi = mid;
   }
+  return lo;
+}
+
+// The chunk in `slot` (< chunk_offsets[N]).
+__device__ __forceinline__ ChunkPos find_chunk(const int32_t* chunk_offsets, CuSeqlens cu, int64_t N,
+                                               int64_t slot) {
+  const int64_t lo = find_document(chunk_offsets, N, slot);
   const int64_t start = cu[lo];
   const int64_t t0 = start + (slot - chunk_offsets[lo]) * kGdnChunk;
   const int64_t left = cu[lo + 1] - t0;
   return {lo, t0, static_cast<int>(left < kGdnChunk ? left : kGdnChunk)};
+}
+
+// A segment of a document's walk: chunks c0 .. c0 + nch - 1 of document doc, its index
+// seg of nseg (seg_offsets: see gdn_fwd.h; seg_chunks = 0 means one segment a document).
+struct SegmentPos {
+  int64_t doc;
+  int seg, nseg;
+  int c0, nch;
+  int64_t doc_start, doc_end;  // the document's tokens
+};
+
+// The segment in `slot` (< seg_offsets[N]).
+__device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, CuSeqlens cu, int64_t N,
+                                                   int seg_chunks, int64_t slot) {
+  SegmentPos s;
+  s.doc = find_document(seg_offsets, N, slot);
+  const int32_t first = seg_offsets[s.doc];
+  s.seg = static_cast<int>(slot - first);
+  s.nseg = seg_offsets[s.doc + 1] - first;
+  s.doc_start = cu[s.doc];
+  s.doc_end = cu[s.doc + 1];
+  const int chunks = s.doc_end > s.doc_start ? static_cast<int>((s.doc_end - s.doc_start + kGdnChunk - 1) / kGdnChunk) : 0;
+  s.c0 = seg_chunks > 0 ? s.seg * seg_chunks : 0;
+  s.nch = seg_chunks > 0 ? min(seg_chunks, chunks - s.c0) : chunks;
+  return s;
 }
 
 }  // namespace cake

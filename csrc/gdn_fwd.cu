@@ -1,13 +1,17 @@
-// The GDN forward: prep, then the walk (see gdn_fwd.h).
+// The GDN forward: plan, prep, then (when the walk is cut into segments) the segment
+// summaries and their chain, then the walk (see gdn_fwd.h).
 
 #include "gdn_fwd.h"
 
 namespace cake {
 
 cudaError_t gdn_fwd_launch(const GdnFwdArgs& p, cudaStream_t stream) {
-  const cudaError_t err = gdn_fwd_prep_launch(p, stream);
-  if (err != cudaSuccess) return err;
-  return gdn_fwd_walk_launch(p, stream);
+  for (auto stage : {gdn_fwd_plan_launch, gdn_fwd_prep_launch, gdn_fwd_summary_launch, gdn_fwd_chain_launch,
+                     gdn_fwd_walk_launch}) {
+    const cudaError_t err = stage(p, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
 }
 
 }  // namespace cake

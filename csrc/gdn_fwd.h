@@ -9,7 +9,8 @@
 namespace cake {
 
 // Forward of the chunked gated delta rule over packed documents (DESIGN.md §1), for
-// head dims K = V = 128, chunk 64, in two kernels:
+// head dims K = V = 128, chunk 64:
+//   plan (gdn_fwd_plan.cu): chunk and segment offsets of the documents (a scan over N).
 //   prep (gdn_fwd_prep.cu): per (chunk slot, q/k head): optional L2 norm of q and k,
 //        K K^T once for the G value heads, then per value head the chunk-local gate
 //        cumsum gcum and A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1,
@@ -18,6 +19,14 @@ namespace cake {
 //        fused, S^T kept in registers across chunks (wgmma, warp-specialised):
 //        v_new = A diag(beta) (v - e^gcum (k S)),  o = scale e^gcum (q S) + P v_new,
 //        S <- e^gl S + (e^(gl - gcum) k)^T v_new,  P = scale tril(q k^T * e^(gcum_i - gcum_j)).
+// With segments (seg_chunks > 0), every document is cut at a grid of seg_chunks chunks
+// counted from its start, and the walk runs per (segment, value head) in parallel:
+//   summaries (gdn_fwd_walk.cu, no output): segment s's walk is affine in its start
+//        state, S_end = M_s S_start + E_s. E_s is the walk of s from zero (segment 0:
+//        from the initial state), M_s (K x K) the walk of s from the identity with v = 0.
+//   chain (gdn_fwd_chain.cu): S_start(s + 1) = M_s S_start(s) + E_s in order, fp32.
+//   walk: each segment from its start state, with the output.
+// The cut grid depends on the document alone, so the bits do too (DESIGN.md §2).
 //
 //   q, k           [T, H, 128] bf16          v [T, HV, 128] bf16, HV = G * H
 //   g              [T, HV] fp32              beta [T, HV] fp32 or bf16 (beta_dtype)
@@ -31,7 +40,11 @@ namespace cake {
 //   a              [NC, HV, 64, 64] bf16         A diag(beta) per chunk slot
 //   gcum           [NC, HV, 64] fp32             chunk-local cumsum of g (pads: last value)
 //   qn, kn         [T, H, 128] bf16              L2-normalised q, k (only if use_qk_l2norm)
-// with NC = ceil(T / 64) + N chunk slots. Launch sizes depend on T, N, H, HV only: no
+//   seg_offsets    [N + 1] int32                 first segment slot of each document
+//   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
+//   seg_transfer   [NS, HV, 128, 128] fp32       M_s
+// with NC = ceil(T / 64) + N chunk slots and NS segment slots (gdn_fwd_segment_slots;
+// the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV only: no
 // host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.
 struct GdnFwdArgs {
   const void* q;
@@ -50,7 +63,11 @@ struct GdnFwdArgs {
   float* gcum;
   void* qn;
   void* kn;
+  int32_t* seg_offsets;
+  float* seg_state;
+  float* seg_transfer;
   int64_t T, N, H, HV;
+  int seg_chunks;  // > 0: the cut grid in chunks; 0: one segment per document
   float scale;
   bool use_qk_l2norm;
 };
@@ -65,11 +82,28 @@ inline int64_t gdn_fwd_workspace_gcum_elems(int64_t T, int64_t N, int64_t HV) {
   return gdn_fwd_chunk_slots(T, N) * HV * 64;
 }
 
-// The whole forward: prep, then walk. Returns the first launch error.
+// Segment slots: document n has max(1, ceil(chunks_n / seg_chunks)) <= chunks_n /
+// seg_chunks + 1 segments (an empty one has one, of no chunks, which writes its final
+// state), and sum chunks_n <= NC; so NC / seg_chunks + N bounds the total.
+inline int64_t gdn_fwd_segment_slots(int64_t T, int64_t N, int seg_chunks) {
+  return seg_chunks > 0 ? (gdn_fwd_chunk_slots(T, N) + seg_chunks - 1) / seg_chunks + N : N;
+}
+
+// The cut grid for a call: deterministic (DESIGN.md §2) uses one fixed grid for every
+// shape and device, kGdnDetSegChunks; otherwise the grid is chosen from the shapes and
+// the SM count (0 when the (document, value head) walks alone fill the GPU).
+constexpr int kGdnDetSegChunks = 64;
+int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count);
+
+// The whole forward: plan, prep, segment summaries and chain (if cut), walk. Returns
+// the first launch error.
 cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
-// The two stages (also usable alone, e.g. by a backward that recomputes the forward).
+// The stages (also usable alone, e.g. by a backward that recomputes the forward).
+cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
 }  // namespace cake

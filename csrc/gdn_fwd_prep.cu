@@ -1,5 +1,5 @@
-// Forward prep of the chunked gated delta rule (see gdn_fwd.h): chunk offsets, then
-// per (chunk slot, q/k head) the optional L2 norm of q and k, K K^T, and per value head
+// Forward prep of the chunked gated delta rule (see gdn_fwd.h): per (chunk slot, q/k
+// head) the optional L2 norm of q and k, K K^T, and per value head
 // gcum and the WY inverse A diag(beta).
 //
 // NOTES:
@@ -81,45 +81,6 @@ static_assert(kOff % 16 == 0 && kStage % 16 == 0, "16-byte fragments and staging
 // A 16x16 fp32 tile in the accumulator layout of mma.m16n8k8 as two 16x8 halves: t[h][e]
 // is (row gid + 8 (e >> 1), column 8 h + 2 t4 + (e & 1)), lane = 4 gid + t4.
 using Tile = float[2][4];
-
-// ---------------------------------------------------------------------------------
-// chunk_offsets[n] = sum over m < n of ceil(len_m / 64): one block, a scan over N.
-__global__ void __launch_bounds__(1024) gdn_chunk_offsets_kernel(CuSeqlens cu, int64_t N,
-                                                                 int32_t* offsets) {
-  __shared__ int32_t warp_sums[32];
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int nwarps = blockDim.x >> 5;
-  if (threadIdx.x == 0) offsets[0] = 0;
-  int32_t carry = 0;
-  for (int64_t base = 0; base < N; base += blockDim.x) {
-    const int64_t n = base + threadIdx.x;
-    int32_t x = 0;
-    if (n < N) {
-      const int64_t len = cu[n + 1] - cu[n];
-      x = len > 0 ? static_cast<int32_t>((len + kGdnChunk - 1) / kGdnChunk) : 0;
-    }
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-      if (lane >= o) x += y;
-    }
-    if (lane == 31) warp_sums[warp] = x;
-    __syncthreads();
-    if (warp == 0) {
-      int32_t s = lane < nwarps ? warp_sums[lane] : 0;
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-        const int32_t y = __shfl_up_sync(0xffffffffu, s, o);
-        if (lane >= o) s += y;
-      }
-      warp_sums[lane] = s;
-    }
-    __syncthreads();
-    if (n < N) offsets[n + 1] = carry + x + (warp > 0 ? warp_sums[warp - 1] : 0);
-    carry += warp_sums[nwarps - 1];
-    __syncthreads();  // warp_sums is rewritten by the next round
-  }
-}
 
 // ---------------------------------------------------------------------------------
 // Small PTX helpers not in mma_sm80.cuh.
@@ -560,11 +521,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
 }  // namespace
 
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& p, cudaStream_t stream) {
-  if (p.N <= 0) return cudaSuccess;
-  gdn_chunk_offsets_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N,
-                                                   p.chunk_offsets);
-  cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess || p.T == 0 || p.H == 0) return err;
+  if (p.N <= 0 || p.T == 0 || p.H == 0) return cudaSuccess;
   const int64_t blocks = gdn_fwd_chunk_slots(p.T, p.N) * p.H;
   gdn_fwd_prep_kernel<<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
   return cudaGetLastError();

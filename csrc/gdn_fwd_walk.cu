@@ -1,6 +1,11 @@
-// Forward walk of the chunked gated delta rule with the output fused (see gdn_fwd.h).
+// Forward walk of the chunked gated delta rule (see gdn_fwd.h), in two modes:
+//   output:  the walk of one segment (a whole document when uncut) with the output fused,
+//            from the segment's start state; the last segment writes the final state;
+//   summary: the walk of one segment without output, from zero (E_s; segment 0 from the
+//            initial state) or from the identity with v = 0 (M_s), written to the
+//            segment workspaces for the chain (gdn_fwd_chain.cu).
 //
-// One CTA per (document, value head), three warpgroups with separate jobs:
+// One CTA per (segment, value head[, E or M]), three warpgroups with separate jobs:
 //   state warpgroups 0 and 1: each holds 64 rows (value columns) of the transposed state
 //     S^T (64 x 128 fp32, 64 registers per thread) across all chunks of the document
 //     and runs the serial chain plus the output of its columns;
@@ -33,6 +38,8 @@
 //   so a value column's result is the same instruction sequence whichever warpgroup runs it.
 // - Exponents are differences of chunk-local cumsums clamped to <= 0: strong decay
 //   underflows to 0, never to 0 * inf.
+// - Summary mode runs the same chain instructions as the output mode (so E_s and M_s
+//   round as the uncut walk would) minus Q, P~ and O; M_s's walk also skips V (zero).
 // - o is staged (stmatrix.trans) into the warp's own, consumed columns of the V tile and
 //   stored 16 bytes per lane, real token rows only: a ragged chunk never writes into the
 //   next document.
@@ -81,8 +88,11 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // The aux warpgroup: loads two chunks ahead; P~ and gate vectors one chunk ahead.
+// Tokens seg_start .. seg_end - 1 (nch chunks from chunk slot first_slot); with_v: load V.
+template <bool kOutput>
 __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int64_t hv, int64_t h,
-                                              int64_t doc_start, int64_t doc_end, int nch, int64_t first_slot) {
+                                              int64_t seg_start, int64_t seg_end, int nch, int64_t first_slot,
+                                              bool with_v) {
   const int tid = threadIdx.x - 256, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // stmatrix: this lane's matrix and row
@@ -94,28 +104,28 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   const int ar = tid >> 3, ac = tid & 7;
   const int64_t qk_row = p.H * kGdnHeadDim, v_row = p.HV * kGdnHeadDim;
   const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.qn : p.q) +
-                            (doc_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
+                            (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
   const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.kn : p.k) +
-                            (doc_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* vd = static_cast<const __nv_bfloat16*>(p.v) + (doc_start + lr) * v_row + hv * kGdnHeadDim + lc * 8;
+                            (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
+  const __nv_bfloat16* vd = static_cast<const __nv_bfloat16*>(p.v) + (seg_start + lr) * v_row + hv * kGdnHeadDim + lc * 8;
   const __nv_bfloat16* ad = static_cast<const __nv_bfloat16*>(p.a) + (first_slot * p.HV + hv) * 64 * 64 + ar * 64 + ac * 8;
   const float* gd = p.gcum + (first_slot * p.HV + hv) * 64 + tid * 4;
   const int qkv_off = wgmma::sw128_offset(64, lr, lc), a_off = wgmma::sw128_offset(64, ar, ac);
-  const int doc_len = static_cast<int>(doc_end - doc_start);
+  const int seg_len = static_cast<int>(seg_end - seg_start);
 
   auto issue_loads = [&](int c) {
     const int stage = c % kStages;
     if (c >= kStages) bar_sync(kBarEmpty + stage, kWalkThreads);  // the state warpgroups are done with c - 3
     const uint32_t st = mma::smem_addr(smem + stage * kStageBytes);
-    const int left = doc_len - c * kGdnChunk - lr;  // rows of this thread below `left` are real
+    const int left = seg_len - c * kGdnChunk - lr;  // rows of this thread below `left` are real
     const int64_t tok = static_cast<int64_t>(c) * kGdnChunk;
     const __nv_bfloat16 *q = qd + tok * qk_row, *k = kd + tok * qk_row, *v = vd + tok * v_row;
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
       const bool ok = 8 * it < left;  // else nothing is read (zero fill) from a valid address
-      mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, ok ? q : qd, ok);
+      if constexpr (kOutput) mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, ok ? q : qd, ok);
       mma::cp_async_16(st + kKOff + qkv_off + 1024 * it, ok ? k : kd, ok);
-      mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok);
+      if (with_v) mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok);
       q += 8 * qk_row;
       k += 8 * qk_row;
       v += 8 * v_row;
@@ -152,7 +162,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     // P~ in two halves of 32 columns j (this thread: rows i = 16 warp + gid (+8),
     // columns j = 32 half + 8 jt + 2 t4 (+1)); computed for every element, then masked.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < (kOutput ? 2 : 0); ++half) {
       float pq[16];
 #pragma unroll
       for (int i = 0; i < 16; ++i) pq[i] = 0.f;
@@ -188,7 +198,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
                          r);
       }
     }
-    wgmma::fence_proxy_async();                        // P~ is read by wgmma
+    if constexpr (kOutput) wgmma::fence_proxy_async();  // P~ is read by wgmma
     bar_arrive(kBarFull + c % kStages, kWalkThreads);  // stage c % 3 is ready
 
     // Then chunk c + 2, into the stage the state warpgroups free after chunk c - 1:
@@ -198,32 +208,40 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   }
 }
 
-// A state warpgroup: the walk of 64 value columns (v0 ..) of one (document, value head).
-__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int64_t n,
-                                                int64_t hv, int64_t doc_start, int64_t doc_end, int nch) {
+// A state warpgroup: the walk of 64 value columns (v0 ..) of one (segment, value head),
+// from S0 (K x V fp32, rows of 128; nullptr: zeros; identity: the K x K identity), to
+// S_end (same layout); with_v = false walks v = 0.
+template <bool kOutput>
+__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int64_t hv,
+                                                int64_t seg_start, int64_t doc_end, int nch, const float* S0,
+                                                bool identity, bool with_v, float* S_end) {
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix/stmatrix: this lane's matrix and row
   const int v0 = wg * kBV;
   __nv_bfloat16* og = static_cast<__nv_bfloat16*>(p.o);
-  const float scale = p.scale;
 
   // S^T accumulator: s[4 nt + e] is value column `col` (+8 for e >= 2), head dim 8 nt + 2 t4 + (e & 1).
   const int col = v0 + 16 * warp + gid;
   float s[64];
-  if (p.initial_state != nullptr) {
-    const float* h0 = p.initial_state + (n * p.HV + hv) * kGdnHeadDim * kGdnHeadDim;
+  if (S0 != nullptr) {
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
       const int kd = 8 * nt + 2 * t4;
-      s[4 * nt + 0] = h0[kd * kGdnHeadDim + col];
-      s[4 * nt + 1] = h0[(kd + 1) * kGdnHeadDim + col];
-      s[4 * nt + 2] = h0[kd * kGdnHeadDim + col + 8];
-      s[4 * nt + 3] = h0[(kd + 1) * kGdnHeadDim + col + 8];
+      s[4 * nt + 0] = S0[kd * kGdnHeadDim + col];
+      s[4 * nt + 1] = S0[(kd + 1) * kGdnHeadDim + col];
+      s[4 * nt + 2] = S0[kd * kGdnHeadDim + col + 8];
+      s[4 * nt + 3] = S0[(kd + 1) * kGdnHeadDim + col + 8];
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = 0.f;
+    for (int nt = 0; nt < 16; ++nt) {
+      const int kd = 8 * nt + 2 * t4;
+      s[4 * nt + 0] = identity && kd == col ? 1.f : 0.f;
+      s[4 * nt + 1] = identity && kd + 1 == col ? 1.f : 0.f;
+      s[4 * nt + 2] = identity && kd == col + 8 ? 1.f : 0.f;
+      s[4 * nt + 3] = identity && kd + 1 == col + 8 ? 1.f : 0.f;
+    }
   }
 
   for (int c = 0; c < nch; ++c) {
@@ -246,16 +264,20 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(u, sfrag[ks], wgmma::desc_k_major(sk, 64, ks), ks > 0);
     wgmma::commit();
+    if constexpr (kOutput) {
 #pragma unroll
-    for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(o, sfrag[ks], wgmma::desc_k_major(sq, 64, ks), ks > 0);
-    wgmma::commit();
+      for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(o, sfrag[ks], wgmma::desc_k_major(sq, 64, ks), ks > 0);
+    }
+    wgmma::commit();  // (an empty group in summary mode keeps the wait counts below)
 
     // Meanwhile: V^T as A fragments (tokens = k).
     uint32_t vfrag[4][4];
+    if (with_v) {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      mma::ldmatrix_x4_trans(vfrag[ks],
-                             sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)));
+      for (int ks = 0; ks < 4; ++ks)
+        mma::ldmatrix_x4_trans(vfrag[ks],
+                               sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)));
+    }
     // Gate factors of this thread's accumulator columns j = 8 jt + 2 t4 (+1), read where
     // used (registers are the scarce resource here): -e^gcum_j and scale e^gcum_j.
     const float2* neg_eg = reinterpret_cast<const float2*>(gs + 64 + 2 * t4);
@@ -279,22 +301,26 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
     for (int i = 0; i < 32; ++i) x[i] = 0.f;
     wgmma::fence();
+    if (with_v) {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, vfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
+      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, vfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
+    }
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), 1);
     wgmma::commit();
 
     // (3) O^T columns (tokens i) scaled by scale e^gcum_i, once group 2 is done.
-    wgmma::wait<1>();
-    wgmma::fence_operands(o);
+    if constexpr (kOutput) {
+      wgmma::wait<1>();
+      wgmma::fence_operands(o);
 #pragma unroll
-    for (int jt = 0; jt < 8; ++jt) {
-      const float2 e = scale_eg[4 * jt];
-      o[4 * jt + 0] *= e.x;
-      o[4 * jt + 1] *= e.y;
-      o[4 * jt + 2] *= e.x;
-      o[4 * jt + 3] *= e.y;
+      for (int jt = 0; jt < 8; ++jt) {
+        const float2 e = scale_eg[4 * jt];
+        o[4 * jt + 0] *= e.x;
+        o[4 * jt + 1] *= e.y;
+        o[4 * jt + 2] *= e.x;
+        o[4 * jt + 3] *= e.y;
+      }
     }
     wgmma::wait<0>();
     wgmma::fence_operands(x);
@@ -323,15 +349,18 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_rs_m64n128k16<1>(s, xtfrag[ks], wgmma::desc_mn_major(sk, 64, ks), 1);
     wgmma::commit();
+    if constexpr (kOutput) {
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(o, xfrag[ks], wgmma::desc_k_major(sp, 64, ks), 1);
-    wgmma::commit();
+      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(o, xfrag[ks], wgmma::desc_k_major(sp, 64, ks), 1);
+      wgmma::commit();
+    }
     wgmma::wait<0>();
-    wgmma::fence_operands(o);
+    if constexpr (kOutput) wgmma::fence_operands(o);
     wgmma::fence_operands(s);
 
     // (5) o: stage O^T transposed into this warp's (consumed) columns of the V tile,
     // then 16-byte stores of the real rows; then the stage goes back to the aux.
+    if constexpr (kOutput) {
 #pragma unroll
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t r[4];
@@ -339,7 +368,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
       mma::stmatrix_x4_trans(sv + wgmma::sw128_offset(64, 16 * jj + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)), r);
     }
     __syncwarp();
-    const int64_t t0 = doc_start + static_cast<int64_t>(c) * kGdnChunk;
+    const int64_t t0 = seg_start + static_cast<int64_t>(c) * kGdnChunk;
     const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
@@ -350,51 +379,80 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
         *reinterpret_cast<uint4*>(og + ((t0 + row) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * ch) = val;
       }
     }
+    }
     if (c + kStages < nch) bar_arrive(kBarEmpty + stage, kWalkThreads);
   }
 
-  // Final state (also for an empty document: the initial state or zeros).
-  float* fs = p.final_state + (n * p.HV + hv) * kGdnHeadDim * kGdnHeadDim;
+  // The end state (for an empty document: the initial state or zeros).
+  if (S_end == nullptr) return;
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) {
     const int kd = 8 * nt + 2 * t4;
-    fs[kd * kGdnHeadDim + col] = s[4 * nt + 0];
-    fs[(kd + 1) * kGdnHeadDim + col] = s[4 * nt + 1];
-    fs[kd * kGdnHeadDim + col + 8] = s[4 * nt + 2];
-    fs[(kd + 1) * kGdnHeadDim + col + 8] = s[4 * nt + 3];
+    S_end[kd * kGdnHeadDim + col] = s[4 * nt + 0];
+    S_end[(kd + 1) * kGdnHeadDim + col] = s[4 * nt + 1];
+    S_end[kd * kGdnHeadDim + col + 8] = s[4 * nt + 2];
+    S_end[(kd + 1) * kGdnHeadDim + col + 8] = s[4 * nt + 3];
   }
 }
 
+// Output mode: CTA (slot, hv); summary mode: CTA (slot, hv, E or M). CTAs past the
+// real segments, and summaries nobody chains (the last segment's; M of segment 0, whose
+// start state is known), return at once.
+template <bool kOutput>
 __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const GdnFwdArgs p) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (mma::smem_addr(smem_raw) & 1023)) & 1023);
 
-  const int64_t hv = blockIdx.x % p.HV;
-  const int64_t n = blockIdx.x / p.HV;
-  const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
-  const int64_t doc_start = cu[n], doc_end = cu[n + 1];
-  const int nch = doc_end > doc_start ? static_cast<int>((doc_end - doc_start + kGdnChunk - 1) / kGdnChunk) : 0;
+  constexpr int kKinds = kOutput ? 1 : 2;
+  const bool transfer = !kOutput && blockIdx.x % kKinds == 1;  // M_s rather than E_s
+  const int64_t hv = blockIdx.x / kKinds % p.HV;
+  const int64_t slot = blockIdx.x / kKinds / p.HV;
+  if (slot >= p.seg_offsets[p.N]) return;
+  const SegmentPos sp = find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, slot);
+  if (!kOutput && (sp.seg == sp.nseg - 1 || (transfer && sp.seg == 0))) return;
 
+  const int64_t head_state = slot * p.HV + hv;  // this (segment, value head)'s workspace matrix
+  constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
+  const float* S0 = nullptr;
+  if (sp.seg == 0 && !transfer) {
+    if (p.initial_state != nullptr) S0 = p.initial_state + (sp.doc * p.HV + hv) * kMat;
+  } else if (kOutput) {
+    S0 = p.seg_state + (head_state - p.HV) * kMat;  // the chained start state, in the previous slot
+  }
+  float* S_end;
+  if constexpr (kOutput) S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
+  else S_end = (transfer ? p.seg_transfer : p.seg_state) + head_state * kMat;
+
+  const int64_t seg_start = sp.doc_start + static_cast<int64_t>(sp.c0) * kGdnChunk;
+  const int64_t seg_end = min(sp.doc_end, seg_start + static_cast<int64_t>(sp.nch) * kGdnChunk);
   const int wg = threadIdx.x >> 7;
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs));
-    aux_warpgroup(p, smem, hv, hv / (p.HV / p.H), doc_start, doc_end, nch, p.chunk_offsets[n]);
+    aux_warpgroup<kOutput>(p, smem, hv, hv / (p.HV / p.H), seg_start, seg_end, sp.nch,
+                           p.chunk_offsets[sp.doc] + sp.c0, !transfer);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs));
-    state_warpgroup(p, smem, wg, n, hv, doc_start, doc_end, nch);
+    state_warpgroup<kOutput>(p, smem, wg, hv, seg_start, sp.doc_end, sp.nch, S0, transfer, !transfer, S_end);
   }
+}
+
+template <bool kOutput>
+cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  const cudaError_t err =
+      cudaFuncSetAttribute(gdn_fwd_walk_kernel<kOutput>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = gdn_fwd_segment_slots(p.T, p.N, p.seg_chunks) * p.HV * (kOutput ? 1 : 2);
+  gdn_fwd_walk_kernel<kOutput><<<static_cast<unsigned>(blocks), kWalkThreads, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
-  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const cudaError_t err =
-      cudaFuncSetAttribute(gdn_fwd_walk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
-  const int64_t blocks = p.N * p.HV;
-  gdn_fwd_walk_kernel<<<static_cast<unsigned>(blocks), kWalkThreads, kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) { return launch_walk<true>(p, stream); }
+
+cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  return p.seg_chunks > 0 ? launch_walk<false>(p, stream) : cudaSuccess;
 }
 
 }  // namespace cake

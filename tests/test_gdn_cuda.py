@@ -3,7 +3,8 @@
 Checked against the FP64 token-by-token reference (the accuracy contract of DESIGN.md
 §2) under NaN-poisoned allocation, stage by stage (the prep op's A diag(beta) and gcum
 against the PyTorch chunked algorithm, then o and the final state), plus bitwise
-determinism, CUDA-graph capture and the six benchmark shapes (first and last document
+determinism, CUDA-graph capture, the walk cut into segments (summaries, chain, walk;
+the fixed deterministic grid) and the six benchmark shapes (first and last document
 against FP64). Every test is marked ``gpu`` and skipped without a Hopper GPU.
 """
 
@@ -53,10 +54,19 @@ def _inputs(case, seed=0):
     return inp, l2
 
 
-def _call(ops, inp, l2, scale=128**-0.5):
+def _call(ops, inp, l2, scale=128**-0.5, deterministic=True, segment_chunks=-1):
     return ops.gdn_fwd(
         inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], inp["initial_state"],
-        scale, l2, True,
+        scale, l2, deterministic, segment_chunks,
+    )
+
+
+def _reference(inp, l2, scale=128**-0.5):
+    return gdn_reference(
+        inp["q"].cpu(), inp["k"].cpu(), inp["v"].cpu(), inp["g"].cpu(), inp["beta"].cpu(),
+        inp["cu_seqlens"].cpu(), scale=scale,
+        initial_state=inp["initial_state"].cpu() if inp["initial_state"] is not None else None,
+        use_qk_l2norm=l2,
     )
 
 
@@ -91,12 +101,7 @@ def test_gdn_fwd_accuracy(ops, case):
     N = len(case[1])
     assert o.shape == (T, HV, 128) and o.dtype == torch.bfloat16
     assert ht.shape == (N, HV, 128, 128) and ht.dtype == torch.float32
-    ro, rht = gdn_reference(
-        inp["q"].cpu(), inp["k"].cpu(), inp["v"].cpu(), inp["g"].cpu(), inp["beta"].cpu(),
-        inp["cu_seqlens"].cpu(), scale=128**-0.5,
-        initial_state=inp["initial_state"].cpu() if inp["initial_state"] is not None else None,
-        use_qk_l2norm=l2,
-    )
+    ro, rht = _reference(inp, l2)
     failures = []
     for name, x, ref in (("o", o, ro), ("final_state", ht, rht)):
         acc = accuracy(x, ref)
@@ -104,6 +109,79 @@ def test_gdn_fwd_accuracy(ops, case):
         if not acc.ok:
             failures.append(f"{name}: {acc}")
     assert not failures, f"{case[0]}: " + "; ".join(failures)
+
+
+# Cut grids (in chunks) small enough that these documents are cut many times: segments
+# of one chunk, ragged last segments, documents of one segment next to cut ones.
+SEGMENT_CASES = [
+    ("docs_h2_l2_h0", [1, 63, 64, 65, 200, 700], 2, 1, "normal", "uniform", torch.float32, True, True, torch.int32),
+    ("gva3_strong_extreme", [130, 0, 450], 1, 3, "strong", "extreme", torch.float32, True, True, torch.int64),
+    ("gva2_slow_bf16beta", [520, 3, 260], 2, 2, "slow", "uniform", torch.bfloat16, False, False, torch.int32),
+]
+
+
+@pytest.mark.parametrize("segment_chunks", [1, 2, 3])
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c[0] for c in SEGMENT_CASES])
+def test_segmented_walk_accuracy(ops, case, segment_chunks):
+    """The walk cut into segments (summaries E_s and M_s, the fp32 chain, the walk from
+    the chained start states) against FP64, every output and workspace NaN-poisoned."""
+    inp, l2 = _inputs(case, seed=20 + segment_chunks)
+    with poisoned_allocations():
+        o, ht = _call(ops, inp, l2, segment_chunks=segment_chunks)
+    ro, rht = _reference(inp, l2)
+    failures = []
+    for name, x, ref in (("o", o, ro), ("final_state", ht, rht)):
+        acc = accuracy(x, ref)
+        record_accuracy(f"cuda gdn_fwd segmented {name}", acc)
+        if not acc.ok:
+            failures.append(f"{name}: {acc}")
+    assert not failures, f"{case[0]} cut every {segment_chunks} chunks: " + "; ".join(failures)
+
+
+def test_segmented_walk_is_bitwise_deterministic(ops):
+    inp, l2 = _inputs(SEGMENT_CASES[0], seed=30)
+    o1, h1 = _call(ops, inp, l2, segment_chunks=2)
+    o2, h2 = _call(ops, inp, l2, segment_chunks=2)
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+
+
+def test_deterministic_plan_depends_on_the_document_alone(ops):
+    """deterministic=True cuts every document at the same fixed grid, so a document's bits
+    are the same alone and packed with others (any T, N, SM count); the non-deterministic
+    plan (here cut differently) still meets the contract."""
+    long_len = 64 * 64 * 2 + 100  # three segments of the fixed 64-chunk grid
+    case = ("packed", [300, long_len, 4000], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    inp, l2 = _inputs(case, seed=31)
+    o_packed, h_packed = _call(ops, inp, l2, deterministic=True)
+    a, b = 300, 300 + long_len
+    alone = {n: inp[n][a:b] for n in ("q", "k", "v", "g", "beta")}
+    alone["cu_seqlens"] = torch.tensor([0, long_len], dtype=torch.int32, device="cuda")
+    alone["initial_state"] = inp["initial_state"][1:2]
+    o_alone, h_alone = _call(ops, alone, l2, deterministic=True)
+    assert torch.equal(o_packed[a:b], o_alone) and torch.equal(h_packed[1:2], h_alone)
+    ro, rht = _reference(inp, l2)
+    for deterministic in (True, False):
+        o, ht = _call(ops, inp, l2, deterministic=deterministic)
+        assert accuracy(o, ro).ok and accuracy(ht, rht).ok, f"deterministic={deterministic}"
+
+
+def test_segmented_cuda_graph_replay_equals_eager(ops):
+    static, l2 = _inputs(SEGMENT_CASES[1], seed=32)
+    fresh, _ = _inputs(SEGMENT_CASES[1], seed=33)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _call(ops, static, l2, segment_chunks=2)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o_static, h_static = _call(ops, static, l2, segment_chunks=2)
+    for n in ("q", "k", "v", "g", "beta", "initial_state"):
+        static[n].copy_(fresh[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    o_eager, h_eager = _call(ops, fresh, l2, segment_chunks=2)
+    assert torch.equal(o_static, o_eager) and torch.equal(h_static, h_eager)
 
 
 def test_empty_document_final_state_is_initial_state(ops):
@@ -186,11 +264,13 @@ def test_other_head_dims_fall_back_to_pytorch(ops):
     assert accuracy(o, ro).ok and accuracy(ht, rht).ok
 
 
+@pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nd"])
 @pytest.mark.parametrize("name", ["s32k_h16", "s64k_h16", "s16k_long", "s256k_h2", "s16k_h8", "s32k_h2"])
-def test_bench_shapes_against_fp64(ops, name):
+def test_bench_shapes_against_fp64(ops, name, deterministic):
     """The six BENCH.md shapes with the benchmark's own inputs (mamba gate, in-op L2 norm)
-    plus an initial state, whole shape through the kernels under NaN poisoning; the first
-    and the last document checked against the FP64 reference (run on the GPU)."""
+    plus an initial state, whole shape through the kernels (each variant's own plan) under
+    NaN poisoning; the first and the last document checked against the FP64 reference
+    (run on the GPU)."""
     from cake_ops.bench import SHAPES, make_inputs
 
     shape = SHAPES[name]
@@ -200,7 +280,7 @@ def test_bench_shapes_against_fp64(ops, name):
     h0 = torch.randn(N, shape.HV, 128, 128, device=dev, generator=torch.Generator(device=dev).manual_seed(12)) * 0.1
     scale = 128**-0.5
     with poisoned_allocations():
-        o, ht = ops.gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, h0, scale, True, True)
+        o, ht = ops.gdn_fwd(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, h0, scale, True, deterministic)
     torch.cuda.synchronize()
     assert torch.isfinite(o.float()).all() and torch.isfinite(ht).all(), "an element was left unwritten"
     bounds = shape.cu_seqlens
@@ -211,4 +291,4 @@ def test_bench_shapes_against_fp64(ops, name):
         for tname, x, ref in (("o", o[a:b], ro), ("final_state", ht[n : n + 1], rht)):
             acc = accuracy(x, ref)
             record_accuracy(f"cuda gdn_fwd bench {tname}", acc)
-            assert acc.ok, f"{name} document {n} {tname}: {acc}"
+            assert acc.ok, f"{name} deterministic={deterministic} document {n} {tname}: {acc}"

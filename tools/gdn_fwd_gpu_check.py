@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """One-shot GPU check of the CUDA GDN forward (csrc/gdn_fwd*.cu): build, tests, timings.
 
-    python tools/gdn_fwd_gpu_check.py [--no-tests]   # from the repository root, on a Hopper GPU
+    python tools/gdn_fwd_gpu_check.py [--no-tests] [--segments 0,16,32,64]   # repo root, Hopper GPU
 
 Stages, each guarded so that one failure does not hide the others:
   1. environment: torch, CUDA, device;
@@ -12,7 +12,8 @@ Stages, each guarded so that one failure does not hide the others:
   4. timing: the six BENCH.md shapes (mamba gate, in-op L2 norm): median of 20
      CUDA-event-timed calls after warm-up, then per-kernel device time from
      torch.profiler in a second pass (CUPTI slows launches once attached), against
-     the FLOP floor at 790 TFLOP/s.
+     the FLOP floor at 790 TFLOP/s; for the deterministic and the non-deterministic plan,
+     and per kernel for each forced cut grid of --segments (in chunks, 0 = uncut).
 Everything printed also goes to $OUT/gdn_fwd_gpu_check.log when $OUT is set.
 """
 
@@ -96,7 +97,7 @@ def compile_stats():
         print(f"no nvcc at {nvcc}: skipping ptxas stats")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        for src in ("gdn_fwd_prep.cu", "gdn_fwd_walk.cu"):
+        for src in ("gdn_fwd_prep.cu", "gdn_fwd_walk.cu", "gdn_fwd_chain.cu"):
             obj = Path(tmp) / (src + ".o")
             cmd = [str(nvcc), "-c", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-O3",
                    "-std=c++17", str(ROOT / "csrc" / src), "-o", str(obj)]
@@ -133,11 +134,12 @@ def run_tests() -> int:
     return rc
 
 
-def bench_inputs(shape):
+def bench_inputs(shape, deterministic=True, segment_chunks=-1):
     from cake_ops.bench import make_inputs
 
     inp = make_inputs(shape, torch.device("cuda"), "mamba", seed=0)
-    return (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, None, shape.K**-0.5, True, True)
+    return (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, None, shape.K**-0.5, True, deterministic,
+            segment_chunks)
 
 
 def floors_ms(shape):
@@ -182,21 +184,26 @@ def time_events(ops, shapes) -> dict:
 
 
 def _kernel_stage(name: str) -> str:
-    if "gdn_chunk_offsets" in name:
-        return "F0 offsets"
+    if "gdn_fwd_plan" in name:
+        return "F0 plan"
     if "gdn_fwd_prep" in name:
         return "F1 prep"
-    if "gdn_fwd_walk" in name:
-        return "F2 walk"
+    if "gdn_fwd_walk_kernel<false>" in name:
+        return "F2 summaries"
+    if "gdn_fwd_chain" in name:
+        return "F3 chain"
+    if "gdn_fwd_walk_kernel<true>" in name:
+        return "F4 walk"
     return "other"
 
 
-def time_profiler(ops, shapes, event_ms: dict):
+def time_profiler(ops, shapes, event_ms: dict, plans):
+    """Per-kernel device time for each plan: (label, deterministic, segment_chunks)."""
     from torch.profiler import ProfilerActivity, profile
 
-    for shape in shapes:
+    for shape, (label, deterministic, segment_chunks) in ((s, p) for s in shapes for p in plans):
         try:
-            args = bench_inputs(shape)
+            args = bench_inputs(shape, deterministic, segment_chunks)
             ops.gdn_fwd(*args)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -215,12 +222,12 @@ def time_profiler(ops, shapes, event_ms: dict):
                     per_stage[key] = per_stage.get(key, 0.0) + us / 1e3 / PROFILED_CALLS
             total = sum(v for k, v in per_stage.items() if k != "other")
             parts = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per_stage.items()))
-            print(f"{shape.name:10s} kernels {total:7.3f} ms/call  [{parts}]  "
-                  f"(event median {event_ms.get(shape.name, float('nan')):.3f} ms)")
+            print(f"{shape.name:10s} {label:8s} kernels {total:7.3f} ms/call  [{parts}]  "
+                  f"(event median, det plan {event_ms.get(shape.name, float('nan')):.3f} ms)")
             del args
         except Exception as e:  # noqa: BLE001
             FAILED.append(f"profile {shape.name}")
-            print(f"{shape.name}: profiler FAILED {type(e).__name__}: {e}")
+            print(f"{shape.name} {label}: profiler FAILED {type(e).__name__}: {e}")
             traceback.print_exc()
 
 
@@ -256,8 +263,12 @@ def main() -> int:
         event_ms = {}
         with stage("timing (CUDA events, back to back)"):
             event_ms = time_events(ops, shapes)
+        plans = [("det", True, -1), ("nd", False, -1)]
+        if "--segments" in sys.argv:
+            grids = sys.argv[sys.argv.index("--segments") + 1]
+            plans += [(f"cut{g}", True, int(g)) for g in grids.split(",")]
         with stage("timing (profiler, per kernel)"):
-            time_profiler(ops, shapes, event_ms)
+            time_profiler(ops, shapes, event_ms, plans)
     print(f"\n===== summary: {'all stages passed' if not FAILED else 'FAILED: ' + ', '.join(FAILED)} =====")
     if log is not None:
         sys.stdout.flush()

@@ -1,0 +1,86 @@
+// The chain of a segmented GDN forward walk (see gdn_fwd.h): per (document, value head),
+// in segment order,  S_start(s + 1) = M_s S_start(s) + E_s,  s = 1 .. P - 2, where
+// S_start(1) = E_0 (segment 0's walk already started from the initial state).
+// In place: seg_state[slot of s] holds E_s before and S_start(s + 1) after.
+//
+// NOTES:
+// - fp32 throughout (DESIGN.md §2: a bf16 transfer chain diverges); plain FMAs in a fixed
+//   order, so the bits depend only on the cut grid.
+// - One CTA per (document, value head, 16 value columns): the value columns never mix, so
+//   eight CTAs share a head's chain without talking; each step is 128 x 128 x 16 MACs
+//   plus one 64 KB read of M_s (from L2: the summaries wrote it just before).
+// - Thread (k, half) owns row k, columns 8 half .. 8 half + 7 of the tile; the previous
+//   start state's tile sits in shared memory, read as broadcasts.
+
+#include "gdn_chunks.cuh"
+#include "gdn_fwd.h"
+
+namespace cake {
+namespace {
+
+constexpr int kChainCols = 16;                                  // value columns per CTA
+constexpr int kChainTiles = kGdnHeadDim / kChainCols;           // CTAs per (document, value head)
+constexpr int kChainThreads = kGdnHeadDim * kChainCols / 8;     // 8 columns a thread
+
+__global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnFwdArgs p) {
+  __shared__ float4 tile[kGdnHeadDim][kChainCols / 4];  // S_start(s) restricted to the CTA's columns
+  const int64_t n = blockIdx.x / (p.HV * kChainTiles);
+  const int64_t hv = blockIdx.x / kChainTiles % p.HV;
+  const int v0 = static_cast<int>(blockIdx.x % kChainTiles) * kChainCols;
+  const int32_t first = p.seg_offsets[n];
+  const int nseg = p.seg_offsets[n + 1] - first;
+  if (nseg <= 2) return;  // S_start(1) = E_0 is in place already
+
+  constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
+  const int k = threadIdx.x >> 1, half = threadIdx.x & 1;
+  const int col = v0 + 8 * half;
+  float* state = p.seg_state + (static_cast<int64_t>(first) * p.HV + hv) * kMat;  // segment 0's slot
+  const float* transfer = p.seg_transfer + (static_cast<int64_t>(first) * p.HV + hv) * kMat;
+  const int64_t step = p.HV * kMat;  // from one segment's slot to the next
+
+  {
+    const float4* e0 = reinterpret_cast<const float4*>(state + k * kGdnHeadDim + col);
+    tile[k][2 * half] = e0[0];
+    tile[k][2 * half + 1] = e0[1];
+  }
+  for (int s = 1; s + 1 < nseg; ++s) {
+    __syncthreads();  // the tile holds S_start(s)
+    const float4* e = reinterpret_cast<const float4*>(state + s * step + k * kGdnHeadDim + col);
+    float4 acc0 = e[0], acc1 = e[1];
+    const float4* m = reinterpret_cast<const float4*>(transfer + s * step + k * kGdnHeadDim);
+#pragma unroll 4
+    for (int i4 = 0; i4 < kGdnHeadDim / 4; ++i4) {
+      const float4 mk = m[i4];
+      const float mv[4] = {mk.x, mk.y, mk.z, mk.w};
+#pragma unroll
+      for (int ii = 0; ii < 4; ++ii) {
+        const float4 t0 = tile[4 * i4 + ii][2 * half], t1 = tile[4 * i4 + ii][2 * half + 1];
+        acc0.x = fmaf(mv[ii], t0.x, acc0.x);
+        acc0.y = fmaf(mv[ii], t0.y, acc0.y);
+        acc0.z = fmaf(mv[ii], t0.z, acc0.z);
+        acc0.w = fmaf(mv[ii], t0.w, acc0.w);
+        acc1.x = fmaf(mv[ii], t1.x, acc1.x);
+        acc1.y = fmaf(mv[ii], t1.y, acc1.y);
+        acc1.z = fmaf(mv[ii], t1.z, acc1.z);
+        acc1.w = fmaf(mv[ii], t1.w, acc1.w);
+      }
+    }
+    float4* out = reinterpret_cast<float4*>(state + s * step + k * kGdnHeadDim + col);
+    out[0] = acc0;
+    out[1] = acc1;
+    __syncthreads();  // every thread has read S_start(s)
+    tile[k][2 * half] = acc0;
+    tile[k][2 * half + 1] = acc1;
+  }
+}
+
+}  // namespace
+
+cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.seg_chunks <= 0 || p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  const int64_t blocks = p.N * p.HV * kChainTiles;
+  gdn_fwd_chain_kernel<<<static_cast<unsigned>(blocks), kChainThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cake

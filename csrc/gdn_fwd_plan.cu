@@ -1,0 +1,104 @@
+// The plan of the GDN forward (see gdn_fwd.h): where each document's chunks and
+// segments sit in the static slot grids, and the host's choice of the cut grid.
+//
+// NOTES:
+// - The offsets are computed on the device (no host sync, CUDA-graph safe); launch sizes
+//   use only the bounds gdn_fwd_chunk_slots / gdn_fwd_segment_slots, and CTAs past a
+//   document's real chunks or segments return at once.
+// - The non-deterministic cut grid comes from a cost model over static shapes only (T, N,
+//   HV, SM count): the document lengths are on the device and reading them would sync.
+
+#include <cmath>
+
+#include "gdn_chunks.cuh"
+#include "gdn_fwd.h"
+
+namespace cake {
+namespace {
+
+// Inclusive block-wide sum of x (blockDim.x = 1024) and the block's total.
+__device__ __forceinline__ int32_t block_inclusive_scan(int32_t x, int32_t* warp_sums, int32_t& total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t s = lane < nwarps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int32_t y = __shfl_up_sync(0xffffffffu, s, o);
+      if (lane >= o) s += y;
+    }
+    warp_sums[lane] = s;
+  }
+  __syncthreads();
+  total = warp_sums[nwarps - 1];
+  const int32_t result = x + (warp > 0 ? warp_sums[warp - 1] : 0);
+  __syncthreads();  // warp_sums is rewritten by the next call
+  return result;
+}
+
+// chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
+// of max(1, ceil(chunks_m / seg_chunks)) (one segment per document when seg_chunks = 0).
+__global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int seg_chunks,
+                                                            int32_t* chunk_offsets, int32_t* seg_offsets) {
+  __shared__ int32_t warp_sums[2][32];
+  if (threadIdx.x == 0) chunk_offsets[0] = seg_offsets[0] = 0;
+  int32_t chunk_carry = 0, seg_carry = 0;
+  for (int64_t base = 0; base < N; base += blockDim.x) {
+    const int64_t n = base + threadIdx.x;
+    int32_t chunks = 0, segs = 0;
+    if (n < N) {
+      const int64_t len = cu[n + 1] - cu[n];
+      chunks = len > 0 ? static_cast<int32_t>((len + kGdnChunk - 1) / kGdnChunk) : 0;
+      segs = seg_chunks > 0 ? max(1, (chunks + seg_chunks - 1) / seg_chunks) : 1;
+    }
+    int32_t chunk_total, seg_total;
+    const int32_t chunk_end = block_inclusive_scan(chunks, warp_sums[0], chunk_total);
+    const int32_t seg_end = block_inclusive_scan(segs, warp_sums[1], seg_total);
+    if (n < N) {
+      chunk_offsets[n + 1] = chunk_carry + chunk_end;
+      seg_offsets[n + 1] = seg_carry + seg_end;
+    }
+    chunk_carry += chunk_total;
+    seg_carry += seg_total;
+  }
+}
+
+}  // namespace
+
+cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.N <= 0) return cudaSuccess;
+  gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks,
+                                              p.chunk_offsets, p.seg_offsets);
+  return cudaGetLastError();
+}
+
+// Cost model, in units of one chunk step of the walk with output on one SM (~3 us on
+// an H200, measured); a summary chunk step (no output) costs kSummaryStep of it and a
+// chain step (one 128^3 product per value head) kChainStep. Documents are taken as
+// equally long (T / N): their lengths are not known on the host.
+int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count) {
+  if (deterministic) return kGdnDetSegChunks;
+  if (N <= 0 || T <= 0 || sm_count <= 0) return 0;
+  constexpr double kSummaryStep = 0.6, kChainStep = 1.0;
+  const double chunks = static_cast<double>(T) / kGdnChunk / static_cast<double>(N);
+  const double walks = static_cast<double>(N * HV);
+  auto waves = [&](double units) { return std::ceil(units / sm_count); };
+  double best = waves(walks) * std::ceil(chunks);  // uncut
+  int best_g = 0;
+  for (int g : {8, 12, 16, 24, 32, 48, 64, 96, 128}) {
+    const double segs = std::ceil(chunks / g);
+    if (segs < 2) continue;
+    const double summaries = walks * ((segs - 1) + (segs - 2));  // E for all but the last, M for 1 .. P-2
+    const double cost = waves(summaries) * g * kSummaryStep + (segs - 2) * kChainStep + waves(walks * segs) * g;
+    if (cost < best) best = cost, best_g = g;
+  }
+  return best_g;
+}
+
+}  // namespace cake
