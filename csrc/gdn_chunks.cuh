@@ -59,6 +59,18 @@ struct SegmentPos {
   int64_t doc_start, doc_end;  // the document's tokens
 };
 
+// The slot of the i-th segment that is not its document's last, i < seg_offsets[N] - N
+// (documents before n have seg_offsets[n] - n such segments, non-decreasing in n).
+__device__ __forceinline__ int64_t inner_segment_slot(const int32_t* seg_offsets, int64_t N, int64_t i) {
+  int64_t lo = 0, hi = N;  // the last document n with seg_offsets[n] - n <= i
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    if (seg_offsets[mid] - mid <= i) lo = mid;
+    else hi = mid;
+  }
+  return i + lo;  // seg_offsets[lo] + (i - (seg_offsets[lo] - lo))
+}
+
 // The segment in `slot` (< seg_offsets[N]).
 __device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, CuSeqlens cu, int64_t N,
                                                    int seg_chunks, int64_t slot) {

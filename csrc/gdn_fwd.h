@@ -89,6 +89,12 @@ inline int64_t gdn_fwd_segment_slots(int64_t T, int64_t N, int seg_chunks) {
   return seg_chunks > 0 ? (gdn_fwd_chunk_slots(T, N) + seg_chunks - 1) / seg_chunks + N : N;
 }
 
+// Segments that are not their document's last (the ones with summaries): sum over n of
+// (segments_n - 1) <= sum floor((chunks_n - 1) / seg_chunks) <= (ceil(T / 64) - 1) / seg_chunks.
+inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks) {
+  return seg_chunks > 0 && T > 0 ? ((T + 63) / 64 - 1) / seg_chunks : 0;
+}
+
 // The cut grid for a call: deterministic (DESIGN.md §2) uses one fixed grid for every
 // shape and device, kGdnDetSegChunks; otherwise the grid is chosen from the shapes and
 // the SM count (0 when the (document, value head) walks alone fill the GPU).

@@ -6,11 +6,12 @@
 // NOTES:
 // - fp32 throughout (DESIGN.md §2: a bf16 transfer chain diverges); plain FMAs in a fixed
 //   order, so the bits depend only on the cut grid.
-// - One CTA per (document, value head, 16 value columns): the value columns never mix, so
-//   eight CTAs share a head's chain without talking; each step is 128 x 128 x 16 MACs
-//   plus one 64 KB read of M_s (from L2: the summaries wrote it just before).
-// - Thread (k, half) owns row k, columns 8 half .. 8 half + 7 of the tile; the previous
-//   start state's tile sits in shared memory, read as broadcasts.
+// - One CTA per (document, value head, 8 value columns): the value columns never mix, so
+//   16 CTAs share a head's chain without talking; each step is 128 x 128 x 8 MACs plus
+//   one 64 KB read of M_s (from L2: the summaries wrote it just before). The chain is
+//   serial, so a step's latency is what counts, not its throughput.
+// - Thread k owns row k of the CTA's tile; the previous start state's tile sits in
+//   shared memory, read as broadcasts.
 
 #include "gdn_chunks.cuh"
 #include "gdn_fwd.h"
@@ -18,43 +19,46 @@
 namespace cake {
 namespace {
 
-constexpr int kChainCols = 16;                                  // value columns per CTA
+constexpr int kChainCols = 8;                                   // value columns per CTA: one float4 pair
 constexpr int kChainTiles = kGdnHeadDim / kChainCols;           // CTAs per (document, value head)
-constexpr int kChainThreads = kGdnHeadDim * kChainCols / 8;     // 8 columns a thread
+constexpr int kChainThreads = kGdnHeadDim;                      // thread k owns row k
 
 __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnFwdArgs p) {
-  __shared__ float4 tile[kGdnHeadDim][kChainCols / 4];  // S_start(s) restricted to the CTA's columns
+  __shared__ float4 tile[kGdnHeadDim][2];  // S_start(s) restricted to the CTA's columns
   const int64_t n = blockIdx.x / (p.HV * kChainTiles);
   const int64_t hv = blockIdx.x / kChainTiles % p.HV;
-  const int v0 = static_cast<int>(blockIdx.x % kChainTiles) * kChainCols;
+  const int col = static_cast<int>(blockIdx.x % kChainTiles) * kChainCols;
   const int32_t first = p.seg_offsets[n];
   const int nseg = p.seg_offsets[n + 1] - first;
   if (nseg <= 2) return;  // S_start(1) = E_0 is in place already
 
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
-  const int k = threadIdx.x >> 1, half = threadIdx.x & 1;
-  const int col = v0 + 8 * half;
+  const int k = threadIdx.x;
   float* state = p.seg_state + (static_cast<int64_t>(first) * p.HV + hv) * kMat;  // segment 0's slot
   const float* transfer = p.seg_transfer + (static_cast<int64_t>(first) * p.HV + hv) * kMat;
   const int64_t step = p.HV * kMat;  // from one segment's slot to the next
 
   {
     const float4* e0 = reinterpret_cast<const float4*>(state + k * kGdnHeadDim + col);
-    tile[k][2 * half] = e0[0];
-    tile[k][2 * half + 1] = e0[1];
+    tile[k][0] = e0[0];
+    tile[k][1] = e0[1];
   }
   for (int s = 1; s + 1 < nseg; ++s) {
-    __syncthreads();  // the tile holds S_start(s)
+    // Row k of M_s and of E_s, all loads in flight at once: a step then costs one L2
+    // round trip plus its FMAs (issued in small batches, it cost eight round trips).
+    const float4* m = reinterpret_cast<const float4*>(transfer + s * step + k * kGdnHeadDim);
+    float4 mrow[kGdnHeadDim / 4];
+#pragma unroll
+    for (int i4 = 0; i4 < kGdnHeadDim / 4; ++i4) mrow[i4] = m[i4];
     const float4* e = reinterpret_cast<const float4*>(state + s * step + k * kGdnHeadDim + col);
     float4 acc0 = e[0], acc1 = e[1];
-    const float4* m = reinterpret_cast<const float4*>(transfer + s * step + k * kGdnHeadDim);
-#pragma unroll 4
+    __syncthreads();  // the tile holds S_start(s)
+#pragma unroll
     for (int i4 = 0; i4 < kGdnHeadDim / 4; ++i4) {
-      const float4 mk = m[i4];
-      const float mv[4] = {mk.x, mk.y, mk.z, mk.w};
+      const float mv[4] = {mrow[i4].x, mrow[i4].y, mrow[i4].z, mrow[i4].w};
 #pragma unroll
       for (int ii = 0; ii < 4; ++ii) {
-        const float4 t0 = tile[4 * i4 + ii][2 * half], t1 = tile[4 * i4 + ii][2 * half + 1];
+        const float4 t0 = tile[4 * i4 + ii][0], t1 = tile[4 * i4 + ii][1];
         acc0.x = fmaf(mv[ii], t0.x, acc0.x);
         acc0.y = fmaf(mv[ii], t0.y, acc0.y);
         acc0.z = fmaf(mv[ii], t0.z, acc0.z);
@@ -69,8 +73,8 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
     out[0] = acc0;
     out[1] = acc1;
     __syncthreads();  // every thread has read S_start(s)
-    tile[k][2 * half] = acc0;
-    tile[k][2 * half + 1] = acc1;
+    tile[k][0] = acc0;
+    tile[k][1] = acc1;
   }
 }
 

@@ -39,7 +39,7 @@
 // - Exponents are differences of chunk-local cumsums clamped to <= 0: strong decay
 //   underflows to 0, never to 0 * inf.
 // - Summary mode runs the same chain instructions as the output mode (so E_s and M_s
-//   round as the uncut walk would) minus Q, P~ and O; M_s's walk also skips V (zero).
+//   round as the uncut walk would) minus Q, P~ and O; M_s's walk reads zeros for V.
 // - o is staged (stmatrix.trans) into the warp's own, consumed columns of the V tile and
 //   stored 16 bytes per lane, real token rows only: a ragged chunk never writes into the
 //   next document.
@@ -88,7 +88,8 @@ __device__ __forceinline__ void cp_async_wait() {
 }
 
 // The aux warpgroup: loads two chunks ahead; P~ and gate vectors one chunk ahead.
-// Tokens seg_start .. seg_end - 1 (nch chunks from chunk slot first_slot); with_v: load V.
+// Tokens seg_start .. seg_end - 1 (nch chunks from chunk slot first_slot); with_v = false
+// fills the V tiles with zeros instead.
 template <bool kOutput>
 __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int64_t hv, int64_t h,
                                               int64_t seg_start, int64_t seg_end, int nch, int64_t first_slot,
@@ -125,7 +126,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
       const bool ok = 8 * it < left;  // else nothing is read (zero fill) from a valid address
       if constexpr (kOutput) mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, ok ? q : qd, ok);
       mma::cp_async_16(st + kKOff + qkv_off + 1024 * it, ok ? k : kd, ok);
-      if (with_v) mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok);
+      mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok && with_v);  // M_s: v = 0
       q += 8 * qk_row;
       k += 8 * qk_row;
       v += 8 * v_row;
@@ -210,11 +211,11 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
 
 // A state warpgroup: the walk of 64 value columns (v0 ..) of one (segment, value head),
 // from S0 (K x V fp32, rows of 128; nullptr: zeros; identity: the K x K identity), to
-// S_end (same layout); with_v = false walks v = 0.
+// S_end (same layout).
 template <bool kOutput>
 __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int64_t hv,
                                                 int64_t seg_start, int64_t doc_end, int nch, const float* S0,
-                                                bool identity, bool with_v, float* S_end) {
+                                                bool identity, float* S_end) {
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix/stmatrix: this lane's matrix and row
@@ -272,12 +273,10 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 
     // Meanwhile: V^T as A fragments (tokens = k).
     uint32_t vfrag[4][4];
-    if (with_v) {
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        mma::ldmatrix_x4_trans(vfrag[ks],
-                               sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)));
-    }
+    for (int ks = 0; ks < 4; ++ks)
+      mma::ldmatrix_x4_trans(vfrag[ks],
+                             sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)));
     // Gate factors of this thread's accumulator columns j = 8 jt + 2 t4 (+1), read where
     // used (registers are the scarce resource here): -e^gcum_j and scale e^gcum_j.
     const float2* neg_eg = reinterpret_cast<const float2*>(gs + 64 + 2 * t4);
@@ -301,10 +300,8 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
     for (int i = 0; i < 32; ++i) x[i] = 0.f;
     wgmma::fence();
-    if (with_v) {
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, vfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
-    }
+    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, vfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), 1);
     wgmma::commit();
@@ -395,9 +392,9 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
   }
 }
 
-// Output mode: CTA (slot, hv); summary mode: CTA (slot, hv, E or M). CTAs past the
-// real segments, and summaries nobody chains (the last segment's; M of segment 0, whose
-// start state is known), return at once.
+// Output mode: CTA (segment slot, hv); summary mode: CTA (inner segment, hv, E or M),
+// inner segments being those that are not their document's last. CTAs past the real
+// segments, and M of segment 0 (whose start state is known), return at once.
 template <bool kOutput>
 __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const GdnFwdArgs p) {
   extern __shared__ unsigned char smem_raw[];
@@ -406,10 +403,11 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
   constexpr int kKinds = kOutput ? 1 : 2;
   const bool transfer = !kOutput && blockIdx.x % kKinds == 1;  // M_s rather than E_s
   const int64_t hv = blockIdx.x / kKinds % p.HV;
-  const int64_t slot = blockIdx.x / kKinds / p.HV;
-  if (slot >= p.seg_offsets[p.N]) return;
+  const int64_t item = blockIdx.x / kKinds / p.HV;
+  if (item >= p.seg_offsets[p.N] - (kOutput ? 0 : p.N)) return;
+  const int64_t slot = kOutput ? item : inner_segment_slot(p.seg_offsets, p.N, item);
   const SegmentPos sp = find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, slot);
-  if (!kOutput && (sp.seg == sp.nseg - 1 || (transfer && sp.seg == 0))) return;
+  if (transfer && sp.seg == 0) return;
 
   const int64_t head_state = slot * p.HV + hv;  // this (segment, value head)'s workspace matrix
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
@@ -432,7 +430,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
                            p.chunk_offsets[sp.doc] + sp.c0, !transfer);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs));
-    state_warpgroup<kOutput>(p, smem, wg, hv, seg_start, sp.doc_end, sp.nch, S0, transfer, !transfer, S_end);
+    state_warpgroup<kOutput>(p, smem, wg, hv, seg_start, sp.doc_end, sp.nch, S0, transfer, S_end);
   }
 }
 
@@ -442,7 +440,9 @@ cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
   const cudaError_t err =
       cudaFuncSetAttribute(gdn_fwd_walk_kernel<kOutput>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int64_t blocks = gdn_fwd_segment_slots(p.T, p.N, p.seg_chunks) * p.HV * (kOutput ? 1 : 2);
+  const int64_t items = kOutput ? gdn_fwd_segment_slots(p.T, p.N, p.seg_chunks) : gdn_fwd_inner_segment_slots(p.T, p.seg_chunks);
+  const int64_t blocks = items * p.HV * (kOutput ? 1 : 2);
+  if (blocks == 0) return cudaSuccess;
   gdn_fwd_walk_kernel<kOutput><<<static_cast<unsigned>(blocks), kWalkThreads, kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
