@@ -42,7 +42,7 @@ namespace cake {
 //   qn, kn         [T, H, 128] bf16              L2-normalised q, k (only if use_qk_l2norm)
 //   seg_offsets    [N + 1] int32                 first segment slot of each document
 //   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
-//   seg_transfer   [NS, HV, 128, 128] fp32       M_s
+//   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
 // with NC = ceil(T / 64) + N chunk slots and NS segment slots (gdn_fwd_segment_slots;
 // the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV only: no
 // host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.

@@ -11,7 +11,9 @@
 //   one 64 KB read of M_s (from L2: the summaries wrote it just before). The chain is
 //   serial, so a step's latency is what counts, not its throughput.
 // - Thread k owns row k of the CTA's tile; the previous start state's tile sits in
-//   shared memory, read as broadcasts.
+//   shared memory, read as broadcasts. M_s is stored transposed, so a warp's loads of
+//   row k = lane's element i are one 128-byte line: loading rows directly (a float4 per
+//   lane, 32 lines an instruction) cost 32 L1 wavefronts a load and ~7 us a step.
 
 #include "gdn_chunks.cuh"
 #include "gdn_fwd.h"
@@ -44,30 +46,26 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
     tile[k][1] = e0[1];
   }
   for (int s = 1; s + 1 < nseg; ++s) {
-    // Row k of M_s and of E_s, all loads in flight at once: a step then costs one L2
-    // round trip plus its FMAs (issued in small batches, it cost eight round trips).
-    const float4* m = reinterpret_cast<const float4*>(transfer + s * step + k * kGdnHeadDim);
-    float4 mrow[kGdnHeadDim / 4];
+    // Row k of M_s (column k of M_s^T) and of E_s, all loads in flight at once: a step
+    // then costs one L2 round trip plus its FMAs.
+    const float* mt = transfer + s * step + k;
+    float mrow[kGdnHeadDim];
 #pragma unroll
-    for (int i4 = 0; i4 < kGdnHeadDim / 4; ++i4) mrow[i4] = m[i4];
+    for (int i = 0; i < kGdnHeadDim; ++i) mrow[i] = mt[i * kGdnHeadDim];
     const float4* e = reinterpret_cast<const float4*>(state + s * step + k * kGdnHeadDim + col);
     float4 acc0 = e[0], acc1 = e[1];
     __syncthreads();  // the tile holds S_start(s)
 #pragma unroll
-    for (int i4 = 0; i4 < kGdnHeadDim / 4; ++i4) {
-      const float mv[4] = {mrow[i4].x, mrow[i4].y, mrow[i4].z, mrow[i4].w};
-#pragma unroll
-      for (int ii = 0; ii < 4; ++ii) {
-        const float4 t0 = tile[4 * i4 + ii][0], t1 = tile[4 * i4 + ii][1];
-        acc0.x = fmaf(mv[ii], t0.x, acc0.x);
-        acc0.y = fmaf(mv[ii], t0.y, acc0.y);
-        acc0.z = fmaf(mv[ii], t0.z, acc0.z);
-        acc0.w = fmaf(mv[ii], t0.w, acc0.w);
-        acc1.x = fmaf(mv[ii], t1.x, acc1.x);
-        acc1.y = fmaf(mv[ii], t1.y, acc1.y);
-        acc1.z = fmaf(mv[ii], t1.z, acc1.z);
-        acc1.w = fmaf(mv[ii], t1.w, acc1.w);
-      }
+    for (int i = 0; i < kGdnHeadDim; ++i) {
+      const float4 t0 = tile[i][0], t1 = tile[i][1];
+      acc0.x = fmaf(mrow[i], t0.x, acc0.x);
+      acc0.y = fmaf(mrow[i], t0.y, acc0.y);
+      acc0.z = fmaf(mrow[i], t0.z, acc0.z);
+      acc0.w = fmaf(mrow[i], t0.w, acc0.w);
+      acc1.x = fmaf(mrow[i], t1.x, acc1.x);
+      acc1.y = fmaf(mrow[i], t1.y, acc1.y);
+      acc1.z = fmaf(mrow[i], t1.z, acc1.z);
+      acc1.w = fmaf(mrow[i], t1.w, acc1.w);
     }
     float4* out = reinterpret_cast<float4*>(state + s * step + k * kGdnHeadDim + col);
     out[0] = acc0;

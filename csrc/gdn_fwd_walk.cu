@@ -211,7 +211,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
 
 // A state warpgroup: the walk of 64 value columns (v0 ..) of one (segment, value head),
 // from S0 (K x V fp32, rows of 128; nullptr: zeros; identity: the K x K identity), to
-// S_end (same layout).
+// S_end (same layout, or transposed when identity: M_s^T, the layout the chain reads).
 template <bool kOutput>
 __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int64_t hv,
                                                 int64_t seg_start, int64_t doc_end, int nch, const float* S0,
@@ -382,6 +382,15 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 
   // The end state (for an empty document: the initial state or zeros).
   if (S_end == nullptr) return;
+  if (identity) {  // M_s^T: row col, pairs of adjacent head dims
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int kd = 8 * nt + 2 * t4;
+      *reinterpret_cast<float2*>(S_end + col * kGdnHeadDim + kd) = make_float2(s[4 * nt + 0], s[4 * nt + 1]);
+      *reinterpret_cast<float2*>(S_end + (col + 8) * kGdnHeadDim + kd) = make_float2(s[4 * nt + 2], s[4 * nt + 3]);
+    }
+    return;
+  }
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) {
     const int kd = 8 * nt + 2 * t4;
