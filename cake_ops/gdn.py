@@ -68,7 +68,8 @@ def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2n
     deterministic = effective_deterministic(deterministic)
     from . import build  # imported here so that `python -m cake_ops.build` runs cleanly
 
-    if _use_pytorch or not build.available() or (K, V) != (128, 128) or q.dtype != torch.bfloat16:
+    # The kernels fold log2(scale) into the gate exponents, so they take scale > 0.
+    if _use_pytorch or not build.available() or (K, V) != (128, 128) or q.dtype != torch.bfloat16 or scale <= 0:
         return chunked.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
     return build.load().gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
 

@@ -8,6 +8,7 @@
 // - The non-deterministic cut grid comes from a cost model over static shapes only (T, N,
 //   HV, SM count): the document lengths are on the device and reading them would sync.
 
+#include <algorithm>
 #include <cmath>
 
 #include "gdn_chunks.cuh"
@@ -80,19 +81,21 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 
 // Cost model, in units of one chunk step of the walk with output on one SM (~3.2 us on
 // an H200); a summary chunk step (no output, E or M) costs kSummaryStep of it and a chain
-// step kChainStep (both measured with tools/gdn_fwd_gpu_check.py --segments). Units of
-// equal length run in whole waves of sm_count. Documents are taken as equally long
-// (T / N): their lengths are on the device.
+// step kChainStep (both measured with tools/gdn_fwd_gpu_check.py --segments). Whole
+// documents run in whole waves of sm_count; cut pieces are ragged (a document's last is
+// short), so they are counted in fractional waves, and a cut plan must win by kMargin.
+// Documents are taken as equally long (T / N): their lengths are on the device.
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count) {
   if (deterministic) return kGdnDetSegChunks;
   if (N <= 0 || T <= 0 || sm_count <= 0) return 0;
-  constexpr double kSummaryStep = 0.45, kChainStep = 0.7;
+  constexpr double kSummaryStep = 0.45, kChainStep = 1.2, kMargin = 0.85;
   const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
   const double walks = static_cast<double>(N * HV);
-  auto waves = [&](double units) { return std::ceil(units / sm_count); };
-  double best = waves(walks) * chunks;  // uncut
+  auto waves = [&](double units) { return std::max(1.0, units / sm_count); };
+  const double uncut = std::ceil(walks / sm_count) * chunks;
+  double best = kMargin * uncut;
   int best_g = 0;
-  for (int g : {8, 12, 16, 20, 24, 32, 40, 48, 64, 96, 128}) {
+  for (int g : {16, 24, 32, 48, 64, 96, 128}) {
     const double segs = std::ceil(chunks / g);
     if (segs < 2) continue;
     const double summaries = walks * ((segs - 1) + (segs - 2));  // E for all but the last, M for 1 .. P-2

@@ -36,8 +36,9 @@
 //   c + 3 into it). Arrivals are only made where a wait will consume them.
 // - Value columns never mix (every product contracts over the head dim or over tokens),
 //   so a value column's result is the same instruction sequence whichever warpgroup runs it.
-// - Exponents are differences of chunk-local cumsums clamped to <= 0: strong decay
-//   underflows to 0, never to 0 * inf.
+// - Exponents are differences of chunk-local cumsums, <= 0 where used (g <= 0; the gate
+//   vectors clamp): strong decay underflows to 0; masked elements are selected away,
+//   never multiplied by 0.
 // - Summary mode runs the same chain instructions as the output mode (so E_s and M_s
 //   round as the uncut walk would) minus Q, P~ and O; M_s's walk reads zeros for V.
 // - o is staged (stmatrix.trans) into the warp's own, consumed columns of the V tile and
@@ -82,6 +83,13 @@ __device__ __forceinline__ void bar_sync(int id, int threads) {
 __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+constexpr float kLog2e = 1.4426950408889634f;
+// 2^x (MUFU.EX2, relative error ~2^-22; subnormal results flush to zero).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -98,6 +106,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // stmatrix: this lane's matrix and row
   const float scale = p.scale;
+  const float log2_scale = log2f(scale);  // scale > 0 (cake_ops/gdn.py sends others to PyTorch)
 
   // Thread tid copies 16-byte chunk lc of rows lr + 8 it of the q, k, v tiles and chunk
   // ac of rows ar + 16 it of the A tile. Pointers at the document's first row.
@@ -161,7 +170,14 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     }
 
     // P~ in two halves of 32 columns j (this thread: rows i = 16 warp + gid (+8),
-    // columns j = 32 half + 8 jt + 2 t4 (+1)); computed for every element, then masked.
+    // columns j = 32 half + 8 jt + 2 t4 (+1)), as pq * 2^(r_i - c_j) with the row term
+    // r_i = gcum_i log2(e) + log2(scale) and the column term c_j = gcum_j log2(e), for
+    // every element, then masked by a select (2^(positive) may be inf above the diagonal).
+    // Skipping the groups above the diagonal does not pay (warp 3 has none to skip, and
+    // the aux warps meet every chunk) and costs registers.
+    float row_term[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) row_term[hh] = fmaf(gs[16 * warp + gid + 8 * hh], kLog2e, log2_scale);
 #pragma unroll
     for (int half = 0; half < (kOutput ? 2 : 0); ++half) {
       float pq[16];
@@ -176,15 +192,15 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
       wgmma::wait<0>();
       wgmma::fence_operands(pq);
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = 16 * warp + gid + 8 * hh;
-        const float gi = gs[i];
+      for (int jt = 0; jt < 4; ++jt) {
+        const int j = 32 * half + 8 * jt + 2 * t4;
+        const float2 gj = *reinterpret_cast<const float2*>(gs + j);
+        const float c0 = gj.x * kLog2e, c1 = gj.y * kLog2e;
 #pragma unroll
-        for (int jt = 0; jt < 4; ++jt) {
-          const int j = 32 * half + 8 * jt + 2 * t4;
-          const float2 gj = *reinterpret_cast<const float2*>(gs + j);
-          const float p0 = pq[4 * jt + 2 * hh] * scale * __expf(fminf(gi - gj.x, 0.f));
-          const float p1 = pq[4 * jt + 2 * hh + 1] * scale * __expf(fminf(gi - gj.y, 0.f));
+        for (int hh = 0; hh < 2; ++hh) {
+          const int i = 16 * warp + gid + 8 * hh;
+          const float p0 = pq[4 * jt + 2 * hh] * exp2_approx(row_term[hh] - c0);
+          const float p1 = pq[4 * jt + 2 * hh + 1] * exp2_approx(row_term[hh] - c1);
           pq[4 * jt + 2 * hh] = j <= i ? p0 : 0.f;
           pq[4 * jt + 2 * hh + 1] = j + 1 <= i ? p1 : 0.f;
         }
