@@ -1,11 +1,12 @@
 // Forward prep of the chunked gated delta rule (see gdn_fwd.h): per (chunk slot, q/k
-// head) the optional L2 norm of q and k, K K^T, and per value head
-// gcum and the WY inverse A diag(beta).
+// head) the optional L2 norms of q and k (as log2 factors for the walk), K K^T, and per
+// value head gcum and the WY inverse A diag(beta).
 //
 // NOTES:
-// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes qn, kn (32 KB) and
-//   one 8 KB tile of A diag(beta) per value head: ~0.75 GB at s32k_h16, an HBM floor near
-//   0.18 ms. So q and k are requested together up front with cp.async (no registers held
+// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes 512 B of norm
+//   factors and one 8 KB tile of A diag(beta) per value head: ~0.5 GB at s32k_h16, an HBM
+//   floor near 0.12 ms. (Normalised q and k are not written: the walk reads raw q and k
+//   and scales in fp32, which saved 268 MB of writes at s32k_h16.) So q and k are requested together up front with cp.async (no registers held
 //   while they fly) and the gates are loaded under them; K K^T is parked in shared memory
 //   between value heads; <= 96 registers and 35 KB of shared memory give 5 CTAs (20 warps)
 //   per SM, so other CTAs' loads stay in flight while one CTA inverts.
@@ -89,12 +90,6 @@ using Tile = float[2][4];
 // block row's instantiation), so the non-.aligned form.
 __device__ __forceinline__ void cta_barrier() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 
-// Four 8x8 b16 matrices to shared memory, as stored (lane 4g+t gives row g, columns 2t, 2t+1).
-__device__ __forceinline__ void stmatrix_x4(uint32_t addr, const uint32_t (&r)[4]) {
-  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
-               "r"(r[1]), "r"(r[2]), "r"(r[3])
-               : "memory");
-}
 
 // This thread's lane, read anew at each use: the per-lane addresses and constants derived
 // from it are then recomputed per value head instead of being hoisted out of the head loop
@@ -113,21 +108,7 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& sma
   small = __float_as_uint(x - __uint_as_float(big)) & 0xffffe000u;
 }
 
-// 2^x, approximate (2 ulp), results below 2^-126 flushed to 0.
-__device__ __forceinline__ float exp2_ftz(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
 
-// d += a * b (m16n8k8, tf32 inputs, fp32 accumulate).
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
-      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 // ---------------------------------------------------------------------------------
 // 16x16 tile algebra in the accumulator layout (one warp).
@@ -147,9 +128,9 @@ __device__ __forceinline__ void mma_tile(Tile& d, const Tile& x, const Tile& yt)
       uint32_t yb0, ys0, yb1, ys1;
       split_tf32(yt[kt][2 * nt], yb0, ys0);
       split_tf32(yt[kt][2 * nt + 1], yb1, ys1);
-      mma_tf32(d[nt], xs, yb0, yb1);
-      mma_tf32(d[nt], xb, ys0, ys1);
-      mma_tf32(d[nt], xb, yb0, yb1);
+      mma::mma_tf32(d[nt], xs, yb0, yb1);
+      mma::mma_tf32(d[nt], xb, ys0, ys1);
+      mma::mma_tf32(d[nt], xb, yb0, yb1);
     }
   }
 }
@@ -231,7 +212,7 @@ __device__ __forceinline__ void stage_diag(uint32_t stage, const Tile& a, const 
 #pragma unroll
     for (int v = 0; v < 2; ++v) r[2 * h + v] = mma::pack_bf16(a[h][2 * v] * b.x, a[h][2 * v + 1] * b.y);
   }
-  stmatrix_x4(stage + (8 * (m & 1) + (lane & 7)) * kStageLd + (2 * W + (m >> 1)) * 16, r);
+  mma::stmatrix_x4(stage + (8 * (m & 1) + (lane & 7)) * kStageLd + (2 * W + (m >> 1)) * 16, r);
 }
 
 // Block (W, J), J < W, from at = (A_WJ)^T: stored transposed; column j = 16 J + gid + 8 v.
@@ -286,7 +267,7 @@ __device__ __forceinline__ void form_l(const float4* s_kk, const float* gc, cons
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int v = e >> 1, c = e & 1;
-      const float d = exp2_ftz(fminf(gc_i[v] - (c ? gc_j.y : gc_j.x), 0.f) * kLog2e);
+      const float d = mma::exp2_ftz(fminf(gc_i[v] - (c ? gc_j.y : gc_j.x), 0.f) * kLog2e);
       const bool lower = K < W || 8 * h + 2 * t4 + c < gid + 8 * v;
       l[h][e] = lower ? beta_i[v] * d * kk[e] : 0.f;
     }
@@ -363,10 +344,10 @@ __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, u
   }
 }
 
-// The tile's rows scaled to unit L2 norm (fp32, rounded once to bf16), written to
-// `normed` (real rows only) and, if write_back, into the tile.
-__device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* normed, const ChunkPos& pos,
-                                            int64_t H, int h, bool write_back) {
+// log2(1 / |row|) of the tile's rows to lnorm[0 .. 63] (0 on pads) and, if write_back,
+// the rows scaled to unit L2 norm (fp32, rounded once to bf16) into the tile.
+__device__ __forceinline__ void l2norm_rows(unsigned char* tile, float* lnorm, const ChunkPos& pos,
+                                            bool write_back) {
   const int tid = threadIdx.x, c = tid & 15;
   uint4 raw[8];
 #pragma unroll
@@ -388,10 +369,12 @@ __device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* 
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float rstd = rsqrtf(ss + kL2NormEps);
+    if (c == 0) lnorm[r] = r < pos.len ? __log2f(rstd) : 0.f;
+    if (write_back) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) pair[e] = __floats2bfloat162_rn(f[e].x * rstd, f[e].y * rstd);
-    if (r < pos.len) *reinterpret_cast<uint4*>(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8) = raw[it];
-    if (write_back) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = raw[it];
+      for (int e = 0; e < 4; ++e) pair[e] = __floats2bfloat162_rn(f[e].x * rstd, f[e].y * rstd);
+      *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = raw[it];
+    }
   }
 }
 
@@ -454,11 +437,14 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   mma::cp_async_wait_all();
   __syncthreads();
 
-  // 2. The L2 norms: kn (and k's tile for K K^T), qn.
+  // 2. The L2 norms: factors of q and k for the walk, k's tile normalised for K K^T.
+  float* lnorm = p.qk_lnorm + (slot * H + h) * 2 * 64;
   if (p.use_qk_l2norm) {
-    l2norm_rows(smem + kKTile, static_cast<__nv_bfloat16*>(p.kn), pos, p.H, h, true);
-    l2norm_rows(smem + kQTile, static_cast<__nv_bfloat16*>(p.qn), pos, p.H, h, false);
+    l2norm_rows(smem + kKTile, lnorm + 64, pos, true);
+    l2norm_rows(smem + kQTile, lnorm, pos, false);
     __syncthreads();
+  } else if (threadIdx.x < 2 * 64) {
+    lnorm[threadIdx.x] = 0.f;
   }
 
   // 3. K K^T, lower block triangle: warp w forms rows 16w.. for columns < 16w + 16 and

@@ -1,7 +1,8 @@
 #pragma once
 
 // Warp-level tensor-core and shared-memory building blocks (sm_80+ PTX, used on sm_90a):
-// mma.sync m16n8k16 bf16 -> fp32, ldmatrix / stmatrix, cp.async with zero fill.
+// mma.sync m16n8k16 bf16 -> fp32 and m16n8k8 tf32 -> fp32, ldmatrix / stmatrix, cp.async
+// with zero fill, and the MUFU exponential.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * gid + tid4):
 //   A 16x16 (row): a0 (gid,    2*tid4 .. +1)   a1 (gid + 8, 2*tid4 .. +1)
@@ -56,6 +57,24 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr));
+}
+
+// d += a * b (m16n8k8, tf32 inputs in b32 registers, fp32 accumulate); fragments as
+// m16n8k16's with 32-bit elements: a0 (gid, tid4) a1 (gid + 8, tid4) a2 (gid, tid4 + 4)
+// a3 (gid + 8, tid4 + 4); b0 (k = tid4, n = gid) b1 (k = tid4 + 4, n = gid).
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+      "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// 2^x on the MUFU unit (relative error ~2^-22); results below 2^-126 flush to 0.
+__device__ __forceinline__ float exp2_ftz(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
 }
 
 // Inverse of ldmatrix_x4: stores four 8x8 matrices (sm_90); lanes 8i .. 8i+7 give the
