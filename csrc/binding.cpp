@@ -164,7 +164,7 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
 // Inputs made dense, outputs and workspaces allocated (never initialised: the kernels
 // write what is read), and the launch arguments pointing at them.
 struct GdnFwdCall {
-  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, qk_lnorm, seg_offsets, seg_state,
+  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, qn, kn, seg_offsets, seg_state,
       seg_transfer;
   GdnFwdArgs args;
 };
@@ -192,7 +192,10 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   }
   c.a = at::empty({NC, s.HV, 64, 64}, bf16);
   c.gcum = at::empty({NC, s.HV, 64}, f32);
-  c.qk_lnorm = at::empty({NC, s.H, 2, 64}, f32);
+  if (use_qk_l2norm) {
+    c.qn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
+    c.kn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
+  }
   if (v != nullptr) {
     if (initial_state) c.h0 = dense16(*initial_state);
     c.o = at::empty({s.T, s.HV, kGdnHeadDim}, bf16);
@@ -213,7 +216,8 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.chunk_offsets = c.chunk_offsets.data_ptr<int32_t>();
   a.a = c.a.data_ptr();
   a.gcum = c.gcum.data_ptr<float>();
-  a.qk_lnorm = c.qk_lnorm.data_ptr<float>();
+  a.qn = c.qn.defined() ? c.qn.data_ptr() : nullptr;
+  a.kn = c.kn.defined() ? c.kn.data_ptr() : nullptr;
   a.seg_offsets = c.seg_offsets.data_ptr<int32_t>();
   a.seg_state = c.seg_state.defined() ? c.seg_state.data_ptr<float>() : nullptr;
   a.seg_transfer = c.seg_transfer.defined() ? c.seg_transfer.data_ptr<float>() : nullptr;

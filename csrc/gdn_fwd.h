@@ -11,8 +11,7 @@ namespace cake {
 // Forward of the chunked gated delta rule over packed documents (DESIGN.md §1), for
 // head dims K = V = 128, chunk 64:
 //   plan (gdn_fwd_plan.cu): chunk and segment offsets of the documents (a scan over N).
-//   prep (gdn_fwd_prep.cu): per (chunk slot, q/k head): the L2 norms of q and k (kept
-//        as factors: the walk reads raw q and k and folds them into its gate vectors),
+//   prep (gdn_fwd_prep.cu): per (chunk slot, q/k head): optional L2 norm of q and k,
 //        K K^T once for the G value heads, then per value head the chunk-local gate
 //        cumsum gcum and A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1,
 //        stored with beta folded in: a_ws = A diag(beta) (bf16).
@@ -40,8 +39,7 @@ namespace cake {
 //   chunk_offsets  [N + 1] int32                 first chunk slot of each document
 //   a              [NC, HV, 64, 64] bf16         A diag(beta) per chunk slot
 //   gcum           [NC, HV, 64] fp32             chunk-local cumsum of g (pads: last value)
-//   qk_lnorm       [NC, H, 2, 64] fp32           log2(1 / |q_t|), log2(1 / |k_t|) per chunk slot
-//                                                (0 without use_qk_l2norm, and on pads)
+//   qn, kn         [T, H, 128] bf16              L2-normalised q, k (only if use_qk_l2norm)
 //   seg_offsets    [N + 1] int32                 first segment slot of each document
 //   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
 //   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
@@ -63,7 +61,8 @@ struct GdnFwdArgs {
   int32_t* chunk_offsets;
   void* a;
   float* gcum;
-  float* qk_lnorm;
+  void* qn;
+  void* kn;
   int32_t* seg_offsets;
   float* seg_state;
   float* seg_transfer;
@@ -81,9 +80,6 @@ inline int64_t gdn_fwd_workspace_a_elems(int64_t T, int64_t N, int64_t HV) {
 }
 inline int64_t gdn_fwd_workspace_gcum_elems(int64_t T, int64_t N, int64_t HV) {
   return gdn_fwd_chunk_slots(T, N) * HV * 64;
-}
-inline int64_t gdn_fwd_workspace_qk_lnorm_elems(int64_t T, int64_t N, int64_t H) {
-  return gdn_fwd_chunk_slots(T, N) * H * 2 * 64;
 }
 
 // Segment slots: document n has max(1, ceil(chunks_n / seg_chunks)) <= chunks_n /

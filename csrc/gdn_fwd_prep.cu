@@ -1,12 +1,11 @@
 // Forward prep of the chunked gated delta rule (see gdn_fwd.h): per (chunk slot, q/k
-// head) the optional L2 norms of q and k (as log2 factors for the walk), K K^T, and per
-// value head gcum and the WY inverse A diag(beta).
+// head) the optional L2 norm of q and k, K K^T, and per value head
+// gcum and the WY inverse A diag(beta).
 //
 // NOTES:
-// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes 512 B of norm
-//   factors and one 8 KB tile of A diag(beta) per value head: ~0.5 GB at s32k_h16, an HBM
-//   floor near 0.12 ms. (Normalised q and k are not written: the walk reads raw q and k
-//   and scales in fp32, which saved 268 MB of writes at s32k_h16.) So q and k are requested together up front with cp.async (no registers held
+// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes qn, kn (32 KB) and
+//   one 8 KB tile of A diag(beta) per value head: ~0.75 GB at s32k_h16, an HBM floor near
+//   0.18 ms. So q and k are requested together up front with cp.async (no registers held
 //   while they fly) and the gates are loaded under them; K K^T is parked in shared memory
 //   between value heads; <= 96 registers and 35 KB of shared memory give 5 CTAs (20 warps)
 //   per SM, so other CTAs' loads stay in flight while one CTA inverts.
@@ -344,10 +343,10 @@ __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, u
   }
 }
 
-// log2(1 / |row|) of the tile's rows to lnorm[0 .. 63] (0 on pads) and, if write_back,
-// the rows scaled to unit L2 norm (fp32, rounded once to bf16) into the tile.
-__device__ __forceinline__ void l2norm_rows(unsigned char* tile, float* lnorm, const ChunkPos& pos,
-                                            bool write_back) {
+// The tile's rows scaled to unit L2 norm (fp32, rounded once to bf16), written to
+// `normed` (real rows only) and, if write_back, into the tile.
+__device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* normed, const ChunkPos& pos,
+                                            int64_t H, int h, bool write_back) {
   const int tid = threadIdx.x, c = tid & 15;
   uint4 raw[8];
 #pragma unroll
@@ -369,12 +368,10 @@ __device__ __forceinline__ void l2norm_rows(unsigned char* tile, float* lnorm, c
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float rstd = rsqrtf(ss + kL2NormEps);
-    if (c == 0) lnorm[r] = r < pos.len ? __log2f(rstd) : 0.f;
-    if (write_back) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) pair[e] = __floats2bfloat162_rn(f[e].x * rstd, f[e].y * rstd);
-      *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = raw[it];
-    }
+    for (int e = 0; e < 4; ++e) pair[e] = __floats2bfloat162_rn(f[e].x * rstd, f[e].y * rstd);
+    if (r < pos.len) *reinterpret_cast<uint4*>(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8) = raw[it];
+    if (write_back) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = raw[it];
   }
 }
 
@@ -437,14 +434,11 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   mma::cp_async_wait_all();
   __syncthreads();
 
-  // 2. The L2 norms: factors of q and k for the walk, k's tile normalised for K K^T.
-  float* lnorm = p.qk_lnorm + (slot * H + h) * 2 * 64;
+  // 2. The L2 norms: kn (and k's tile for K K^T), qn.
   if (p.use_qk_l2norm) {
-    l2norm_rows(smem + kKTile, lnorm + 64, pos, true);
-    l2norm_rows(smem + kQTile, lnorm, pos, false);
+    l2norm_rows(smem + kKTile, static_cast<__nv_bfloat16*>(p.kn), pos, p.H, h, true);
+    l2norm_rows(smem + kQTile, static_cast<__nv_bfloat16*>(p.qn), pos, p.H, h, false);
     __syncthreads();
-  } else if (threadIdx.x < 2 * 64) {
-    lnorm[threadIdx.x] = 0.f;
   }
 
   // 3. K K^T, lower block triangle: warp w forms rows 16w.. for columns < 16w + 16 and

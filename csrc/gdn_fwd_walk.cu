@@ -13,8 +13,6 @@
 //     a ring of three stages, and per chunk forms what does not depend on the state:
 //     P~ = scale tril(Q K^T * e^(gcum_i - gcum_j)) (bf16) and the gate vectors
 //     e^gcum_j and e^(gl - gcum_j).
-// With use_qk_l2norm, q and k are read raw and their rows' norm factors r (from the prep)
-// are folded into P~ and the gate vectors, so every product sees unit q and k.
 // Per chunk, every product is a warpgroup MMA (wgmma, bf16 in, fp32 accumulate), B
 // always from shared memory:
 //   P    = Q K^T                                   aux    SS  m64n32k128, two halves
@@ -70,11 +68,8 @@ constexpr int kKOff = kQOff + 64 * kGdnHeadDim * 2;
 constexpr int kVOff = kKOff + 64 * kGdnHeadDim * 2;
 constexpr int kAOff = kVOff + 64 * kGdnHeadDim * 2;
 constexpr int kPOff = kAOff + 64 * 64 * 2;
-// Gate vectors, 64 floats each: gcum, -e^gcum r_k, e^(gl - gcum) r_k, scale e^gcum r_q, then
-// the prep's log2 r_q and log2 r_k (r = 1 / |row| with use_qk_l2norm, else 1).
-constexpr int kGOff = kPOff + 64 * 64 * 2;
-constexpr int kLnOff = 4 * 64;              // in floats from kGOff: log2 r_q, then log2 r_k
-constexpr int kStageBytes = kGOff + 2048;   // 1536 used, padded: every tile stays 1024-aligned
+constexpr int kGOff = kPOff + 64 * 64 * 2;  // gcum, -e^gcum, e^(gl - gcum), scale e^gcum: 64 floats each
+constexpr int kStageBytes = kGOff + 1024;   // padded: every tile stays 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
 
 // Named barriers (0 is __syncthreads).
@@ -125,14 +120,13 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   const int lr = tid >> 4, lc = tid & 15;
   const int ar = tid >> 3, ac = tid & 7;
   const int64_t qk_row = p.H * kGdnHeadDim, v_row = p.HV * kGdnHeadDim;
-  const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.q) +
+  const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.qn : p.q) +
                             (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.k) +
+  const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.kn : p.k) +
                             (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
   const __nv_bfloat16* vd = static_cast<const __nv_bfloat16*>(p.v) + (seg_start + lr) * v_row + hv * kGdnHeadDim + lc * 8;
   const __nv_bfloat16* ad = static_cast<const __nv_bfloat16*>(p.a) + (first_slot * p.HV + hv) * 64 * 64 + ar * 64 + ac * 8;
   const float* gd = p.gcum + (first_slot * p.HV + hv) * 64 + tid * 4;
-  const float* lnd = p.qk_lnorm + (first_slot * p.H + h) * 2 * 64 + (tid >= 16 ? tid - 16 : 0) * 4;
   const int qkv_off = wgmma::sw128_offset(64, lr, lc), a_off = wgmma::sw128_offset(64, ar, ac);
   const int seg_len = static_cast<int>(seg_end - seg_start);
 
@@ -157,7 +151,6 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
 #pragma unroll
     for (int it = 0; it < 4; ++it) mma::cp_async_16(st + kAOff + a_off + 2048 * it, ad + chunk_ofs * 64 * 64 + 16 * 64 * it, true);
     if (tid < 16) mma::cp_async_16(st + kGOff + tid * 16, gd + chunk_ofs * 64, true);
-    else if (tid < 48) mma::cp_async_16(st + kGOff + kLnOff * 4 + (tid - 16) * 16, lnd + c * p.H * 2 * 64, true);
   };
 
   if (nch > 0) issue_loads(0);
@@ -178,25 +171,20 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     if (tid < 64) {
       const float gj = gs[tid], gl = gs[kGdnChunk - 1];
       const float eg = __expf(gj);
-      const float rq = mma::exp2_ftz(gs[kLnOff + tid]), rk = mma::exp2_ftz(gs[kLnOff + 64 + tid]);
-      gs[64 + tid] = -eg * rk;
-      gs[128 + tid] = __expf(fminf(gl - gj, 0.f)) * rk;
-      gs[192 + tid] = scale * eg * rq;
+      gs[64 + tid] = -eg;
+      gs[128 + tid] = __expf(fminf(gl - gj, 0.f));
+      gs[192 + tid] = scale * eg;
     }
 
     // P~ in two halves of 32 columns j (this thread: rows i = 16 warp + gid (+8),
     // columns j = 32 half + 8 jt + 2 t4 (+1)), as pq * 2^(r_i - c_j) with the row term
-    // r_i = gcum_i log2(e) + log2(scale r_q,i) and the column term
-    // c_j = gcum_j log2(e) - log2(r_k,j), for every element, then masked by a select
-    // (2^(positive) may be inf above the diagonal).
+    // r_i = gcum_i log2(e) + log2(scale) and the column term c_j = gcum_j log2(e), for
+    // every element, then masked by a select (2^(positive) may be inf above the diagonal).
     // Skipping the groups above the diagonal does not pay (warp 3 has none to skip, and
     // the aux warps meet every chunk) and costs registers.
     float row_term[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      const int i = 16 * warp + gid + 8 * hh;
-      row_term[hh] = fmaf(gs[i], kLog2e, log2_scale) + gs[kLnOff + i];
-    }
+    for (int hh = 0; hh < 2; ++hh) row_term[hh] = fmaf(gs[16 * warp + gid + 8 * hh], kLog2e, log2_scale);
 #pragma unroll
     for (int half = 0; half < (kOutput ? 2 : 0); ++half) {
       float pq[16];
@@ -214,8 +202,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
       for (int jt = 0; jt < 4; ++jt) {
         const int j = 32 * half + 8 * jt + 2 * t4;
         const float2 gj = *reinterpret_cast<const float2*>(gs + j);
-        const float2 lk = *reinterpret_cast<const float2*>(gs + kLnOff + 64 + j);
-        const float c0 = fmaf(gj.x, kLog2e, -lk.x), c1 = fmaf(gj.y, kLog2e, -lk.y);
+        const float c0 = gj.x * kLog2e, c1 = gj.y * kLog2e;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = 16 * warp + gid + 8 * hh;

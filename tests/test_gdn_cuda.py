@@ -264,6 +264,22 @@ def test_other_head_dims_fall_back_to_pytorch(ops):
     assert accuracy(o, ro).ok and accuracy(ht, rht).ok
 
 
+def test_non_positive_scale_falls_back_to_pytorch(ops):
+    """The kernels fold log2(scale) into the gate exponents; cake::gdn_fwd sends scale <= 0
+    to the PyTorch path, which stays within the contract."""
+    inp = make_gdn_inputs([70, 10], 1, 2, 128, 128, device="cuda", seed=10)
+    for scale in (-0.05, 0.0):
+        o, ht = cake_ops.gdn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
+                             scale=scale, output_final_state=True, use_qk_l2norm=True)
+        ro, rht = gdn_reference(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
+                                scale=scale, use_qk_l2norm=True)
+        assert accuracy(ht, rht).ok, f"scale={scale}"
+        if scale != 0.0:
+            assert accuracy(o, ro).ok, f"scale={scale}"
+        else:
+            assert not o.any()
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nd"])
 @pytest.mark.parametrize("name", ["s32k_h16", "s64k_h16", "s16k_long", "s256k_h2", "s16k_h8", "s32k_h2"])
 def test_bench_shapes_against_fp64(ops, name, deterministic):
