@@ -70,6 +70,18 @@ def _reference(inp, l2, scale=128**-0.5):
     )
 
 
+def _assert_matches_reference(o, ht, inp, l2, record_as, label):
+    """o and the final state within the contract against FP64; both recorded."""
+    ro, rht = _reference(inp, l2)
+    failures = []
+    for name, x, ref in (("o", o, ro), ("final_state", ht, rht)):
+        acc = accuracy(x, ref)
+        record_accuracy(f"{record_as} {name}", acc)
+        if not acc.ok:
+            failures.append(f"{name}: {acc}")
+    assert not failures, f"{label}: " + "; ".join(failures)
+
+
 def _used_slots(lengths):
     return sum(-(-n // 64) for n in lengths)
 
@@ -101,14 +113,7 @@ def test_gdn_fwd_accuracy(ops, case):
     N = len(case[1])
     assert o.shape == (T, HV, 128) and o.dtype == torch.bfloat16
     assert ht.shape == (N, HV, 128, 128) and ht.dtype == torch.float32
-    ro, rht = _reference(inp, l2)
-    failures = []
-    for name, x, ref in (("o", o, ro), ("final_state", ht, rht)):
-        acc = accuracy(x, ref)
-        record_accuracy(f"cuda gdn_fwd {name}", acc)
-        if not acc.ok:
-            failures.append(f"{name}: {acc}")
-    assert not failures, f"{case[0]}: " + "; ".join(failures)
+    _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd", case[0])
 
 
 # Cut grids (in chunks) small enough that these documents are cut many times: segments
@@ -128,14 +133,7 @@ def test_segmented_walk_accuracy(ops, case, segment_chunks):
     inp, l2 = _inputs(case, seed=20 + segment_chunks)
     with poisoned_allocations():
         o, ht = _call(ops, inp, l2, segment_chunks=segment_chunks)
-    ro, rht = _reference(inp, l2)
-    failures = []
-    for name, x, ref in (("o", o, ro), ("final_state", ht, rht)):
-        acc = accuracy(x, ref)
-        record_accuracy(f"cuda gdn_fwd segmented {name}", acc)
-        if not acc.ok:
-            failures.append(f"{name}: {acc}")
-    assert not failures, f"{case[0]} cut every {segment_chunks} chunks: " + "; ".join(failures)
+    _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd segmented", f"{case[0]} cut every {segment_chunks} chunks")
 
 
 def test_segmented_walk_is_bitwise_deterministic(ops):
