@@ -1,10 +1,10 @@
 #pragma once
 
 // Packed variable-length documents cut into 64-token chunks (and the walk into
-// segments of chunks), on the device (the CUDA side of cake_ops/varlen.py). Document n has ceil(len_n / 64) chunks; they occupy
-// chunk slots chunk_offsets[n] .. chunk_offsets[n+1] - 1 of a static grid of
-// ceil(T / 64) + N slots (an upper bound: no host sync, CUDA-graph safe). Slots at
-// or past chunk_offsets[N] are unused.
+// segments of chunks), on the device (the CUDA side of cake_ops/varlen.py). Document n
+// has ceil(len_n / 64) chunks; they occupy chunk slots chunk_offsets[n] ..
+// chunk_offsets[n+1] - 1 of a static grid of ceil(T / 64) + N slots (an upper bound: no
+// host sync, CUDA-graph safe). Slots at or past chunk_offsets[N] are unused.
 
 #include <cstdint>
 

@@ -26,7 +26,8 @@ namespace cake {
 //        from the initial state), M_s (K x K) the walk of s from the identity with v = 0.
 //   chain (gdn_fwd_chain.cu): S_start(s + 1) = M_s S_start(s) + E_s in order, fp32.
 //   walk: each segment from its start state, with the output.
-// The cut grid depends on the document alone, so the bits do too (DESIGN.md §2).
+// The deterministic grid is one constant, so a document's bits depend on it alone
+// (DESIGN.md §2); the non-deterministic grid is chosen from the shapes and SM count.
 //
 //   q, k           [T, H, 128] bf16          v [T, HV, 128] bf16, HV = G * H
 //   g              [T, HV] fp32              beta [T, HV] fp32 or bf16 (beta_dtype)
@@ -44,8 +45,8 @@ namespace cake {
 //   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
 //   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
 // with NC = ceil(T / 64) + N chunk slots and NS segment slots (gdn_fwd_segment_slots;
-// the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV only: no
-// host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.
+// the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV and
+// seg_chunks only: no host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.
 struct GdnFwdArgs {
   const void* q;
   const void* k;
