@@ -164,8 +164,8 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
 // Inputs made dense, outputs and workspaces allocated (never initialised: the kernels
 // write what is read), and the launch arguments pointing at them.
 struct GdnFwdCall {
-  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, qn, kn, seg_offsets, seg_state,
-      seg_transfer;
+  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, chunk_decay, qn, kn, seg_offsets,
+      seg_state, seg_transfer, seg_exact;
   GdnFwdArgs args;
 };
 
@@ -189,9 +189,11 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
     const int64_t NS = gdn_fwd_segment_slots(s.T, s.N, seg_chunks);
     c.seg_state = at::empty({NS, s.HV, kGdnHeadDim, kGdnHeadDim}, f32);
     c.seg_transfer = at::empty({NS, s.HV, kGdnHeadDim, kGdnHeadDim}, f32);
+    c.seg_exact = at::empty({NS, s.HV}, q.options().dtype(at::kInt));
   }
   c.a = at::empty({NC, s.HV, 64, 64}, bf16);
   c.gcum = at::empty({NC, s.HV, 64}, f32);
+  c.chunk_decay = at::empty({NC, s.HV}, f32);
   if (use_qk_l2norm) {
     c.qn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
     c.kn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
@@ -216,11 +218,13 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.chunk_offsets = c.chunk_offsets.data_ptr<int32_t>();
   a.a = c.a.data_ptr();
   a.gcum = c.gcum.data_ptr<float>();
+  a.chunk_decay = c.chunk_decay.data_ptr<float>();
   a.qn = c.qn.defined() ? c.qn.data_ptr() : nullptr;
   a.kn = c.kn.defined() ? c.kn.data_ptr() : nullptr;
   a.seg_offsets = c.seg_offsets.data_ptr<int32_t>();
   a.seg_state = c.seg_state.defined() ? c.seg_state.data_ptr<float>() : nullptr;
   a.seg_transfer = c.seg_transfer.defined() ? c.seg_transfer.data_ptr<float>() : nullptr;
+  a.seg_exact = c.seg_exact.defined() ? c.seg_exact.data_ptr<int32_t>() : nullptr;
   a.seg_chunks = seg_chunks;
   a.T = s.T;
   a.N = s.N;
@@ -266,9 +270,10 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
 }
 
 // The prep stage alone: (a [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot,
-// gcum [NC, HV, 64] fp32), NC = ceil(T / 64) + N; slots past the last document's last
-// chunk are left unwritten. For tests of the stage and for a backward that reuses A.
-std::tuple<at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& g,
+// gcum [NC, HV, 64] fp32, chunk_decay [NC, HV] fp32), NC = ceil(T / 64) + N; slots past
+// the last document's last chunk are left unwritten. For tests of the stage and for a
+// backward that reuses A.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& g,
                                                 const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                                 bool use_qk_l2norm) {
   const GdnShapes s = check_gdn_inputs("gdn_fwd_prep", q, k, nullptr, g, beta, cu_seqlens);
@@ -278,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q, const at::T
   cudaError_t err = gdn_fwd_plan_launch(c.args, stream);
   if (err == cudaSuccess) err = gdn_fwd_prep_launch(c.args, stream);
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd_prep: kernel launch failed: ", cudaGetErrorString(err));
-  return {c.a, c.gcum};
+  return {c.a, c.gcum, c.chunk_decay};
 }
 
 }  // namespace
@@ -294,7 +299,7 @@ TORCH_LIBRARY(cake_cuda, m) {
       "-> (Tensor, Tensor)");
   m.def(
       "gdn_fwd_prep(Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, bool use_qk_l2norm) "
-      "-> (Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {

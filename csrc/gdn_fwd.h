@@ -26,6 +26,12 @@ namespace cake {
 //        from the initial state), M_s (K x K) the walk of s from the identity with v = 0.
 //   chain (gdn_fwd_chain.cu): S_start(s + 1) = M_s S_start(s) + E_s in order, fp32.
 //   walk: each segment from its start state, with the output.
+// Truncated cuts (KERNELS.md §4.4 method 1): where the gates alone make the start state
+// negligible at a cut, i.e. the last W chunks before it are contractions whose log
+// decays sum to <= kGdnTruncLogDecay (||M|| <= e^-20, below fp32 resolution of the state),
+// E_s is walked from zero over those W chunks only, M_s is not formed and the chain
+// takes S_start(s + 1) = E_s. The test reads only the segment's own gates and keys, so
+// the bits still depend on the document alone.
 // The deterministic grid is one constant, so a document's bits depend on it alone
 // (DESIGN.md §2); the non-deterministic grid is chosen from the shapes and SM count.
 //
@@ -40,10 +46,14 @@ namespace cake {
 //   chunk_offsets  [N + 1] int32                 first chunk slot of each document
 //   a              [NC, HV, 64, 64] bf16         A diag(beta) per chunk slot
 //   gcum           [NC, HV, 64] fp32             chunk-local cumsum of g (pads: last value)
+//   chunk_decay    [NC, HV] fp32                 the chunk's log decay gcum[63] when every
+//                                                token's update I - beta k k^T is a contraction
+//                                                (0 <= beta |k|^2 <= 2), else +inf
 //   qn, kn         [T, H, 128] bf16              L2-normalised q, k (only if use_qk_l2norm)
 //   seg_offsets    [N + 1] int32                 first segment slot of each document
 //   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
 //   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
+//   seg_exact      [NS, HV] int32                1: S_start(s + 1) needs M_s; 0: the cut is truncated
 // with NC = ceil(T / 64) + N chunk slots and NS segment slots (gdn_fwd_segment_slots;
 // the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV and
 // seg_chunks only: no host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.
@@ -62,11 +72,13 @@ struct GdnFwdArgs {
   int32_t* chunk_offsets;
   void* a;
   float* gcum;
+  float* chunk_decay;
   void* qn;
   void* kn;
   int32_t* seg_offsets;
   float* seg_state;
   float* seg_transfer;
+  int32_t* seg_exact;
   int64_t T, N, H, HV;
   int seg_chunks;  // > 0: the cut grid in chunks; 0: one segment per document
   float scale;
@@ -74,6 +86,7 @@ struct GdnFwdArgs {
 };
 
 constexpr int kGdnHeadDim = 128;
+constexpr float kGdnTruncLogDecay = -20.f;  // a cut is truncated where the window's log decay is <= this
 
 inline int64_t gdn_fwd_chunk_slots(int64_t T, int64_t N) { return (T + 63) / 64 + N; }
 inline int64_t gdn_fwd_workspace_a_elems(int64_t T, int64_t N, int64_t HV) {

@@ -1,6 +1,7 @@
 // The chain of a segmented GDN forward walk (see gdn_fwd.h): per (document, value head),
 // in segment order,  S_start(s + 1) = M_s S_start(s) + E_s,  s = 1 .. P - 2, where
-// S_start(1) = E_0 (segment 0's walk already started from the initial state).
+// S_start(1) = E_0 (segment 0's walk already started from the initial state), and
+// S_start(s + 1) = E_s at a truncated cut (seg_exact = 0: no M_s was formed).
 // In place: seg_state[slot of s] holds E_s before and S_start(s + 1) after.
 //
 // NOTES:
@@ -46,31 +47,35 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
     tile[k][1] = e0[1];
   }
   for (int s = 1; s + 1 < nseg; ++s) {
-    // Row k of M_s (column k of M_s^T) and of E_s, all loads in flight at once: a step
-    // then costs one L2 round trip plus its FMAs.
-    const float* mt = transfer + s * step + k;
-    float mrow[kGdnHeadDim];
-#pragma unroll
-    for (int i = 0; i < kGdnHeadDim; ++i) mrow[i] = mt[i * kGdnHeadDim];
     const float4* e = reinterpret_cast<const float4*>(state + s * step + k * kGdnHeadDim + col);
     float4 acc0 = e[0], acc1 = e[1];
-    __syncthreads();  // the tile holds S_start(s)
+    // A truncated cut (the same flag for the whole CTA): S_start(s + 1) = E_s, in place.
+    if (p.seg_exact[(first + s) * p.HV + hv]) {
+      // Row k of M_s (column k of M_s^T), all loads in flight at once: a step then costs
+      // one L2 round trip plus its FMAs.
+      const float* mt = transfer + s * step + k;
+      float mrow[kGdnHeadDim];
 #pragma unroll
-    for (int i = 0; i < kGdnHeadDim; ++i) {
-      const float4 t0 = tile[i][0], t1 = tile[i][1];
-      acc0.x = fmaf(mrow[i], t0.x, acc0.x);
-      acc0.y = fmaf(mrow[i], t0.y, acc0.y);
-      acc0.z = fmaf(mrow[i], t0.z, acc0.z);
-      acc0.w = fmaf(mrow[i], t0.w, acc0.w);
-      acc1.x = fmaf(mrow[i], t1.x, acc1.x);
-      acc1.y = fmaf(mrow[i], t1.y, acc1.y);
-      acc1.z = fmaf(mrow[i], t1.z, acc1.z);
-      acc1.w = fmaf(mrow[i], t1.w, acc1.w);
+      for (int i = 0; i < kGdnHeadDim; ++i) mrow[i] = mt[i * kGdnHeadDim];
+      __syncthreads();  // the tile holds S_start(s)
+#pragma unroll
+      for (int i = 0; i < kGdnHeadDim; ++i) {
+        const float4 t0 = tile[i][0], t1 = tile[i][1];
+        acc0.x = fmaf(mrow[i], t0.x, acc0.x);
+        acc0.y = fmaf(mrow[i], t0.y, acc0.y);
+        acc0.z = fmaf(mrow[i], t0.z, acc0.z);
+        acc0.w = fmaf(mrow[i], t0.w, acc0.w);
+        acc1.x = fmaf(mrow[i], t1.x, acc1.x);
+        acc1.y = fmaf(mrow[i], t1.y, acc1.y);
+        acc1.z = fmaf(mrow[i], t1.z, acc1.z);
+        acc1.w = fmaf(mrow[i], t1.w, acc1.w);
+      }
+      float4* out = reinterpret_cast<float4*>(state + s * step + k * kGdnHeadDim + col);
+      out[0] = acc0;
+      out[1] = acc1;
+      __syncthreads();  // every thread has read S_start(s)
     }
-    float4* out = reinterpret_cast<float4*>(state + s * step + k * kGdnHeadDim + col);
-    out[0] = acc0;
-    out[1] = acc1;
-    __syncthreads();  // every thread has read S_start(s)
+    // (After a truncated step no thread reads the tile before the next exact step's barrier.)
     tile[k][0] = acc0;
     tile[k][1] = acc1;
   }

@@ -1,6 +1,6 @@
 // Forward prep of the chunked gated delta rule (see gdn_fwd.h): per (chunk slot, q/k
 // head) the optional L2 norm of q and k, K K^T, and per value head
-// gcum and the WY inverse A diag(beta).
+// gcum, the chunk's certified log decay (chunk_decay) and the WY inverse A diag(beta).
 //
 // NOTES:
 // - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes qn, kn (32 KB) and
@@ -409,10 +409,28 @@ __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& 
   }
 }
 
+// chunk_decay (see gdn_fwd.h) of one value head, by one warp: the chunk's log decay if
+// every token's update I - beta k k^T is a contraction (0 <= beta |k|^2 <= 2; pads have
+// beta = 0), else +inf, so that a window holding such a chunk is never truncated. NaN
+// fails both tests and gives NaN or +inf: never truncated either.
+__device__ __forceinline__ void write_chunk_decay(float* out, const float* gc, const float* beta,
+                                                  const float* knorm2) {
+  const int lane = threadIdx.x & 31;
+  bool contraction = true;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const float bk = beta[32 * s + lane] * knorm2[32 * s + lane];
+    contraction = contraction && bk >= 0.f && bk <= 2.f;
+  }
+  contraction = __all_sync(0xffffffffu, contraction);
+  if (lane == 0) *out = contraction ? gc[kGdnChunk - 1] : __int_as_float(0x7f800000);
+}
+
 __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
   __shared__ float s_gc[kGateHeads][64];
   __shared__ float s_beta[kGateHeads][64];
+  __shared__ float s_knorm2[64];  // |k_i|^2, the diagonal of K K^T
 
   const int H = static_cast<int>(p.H);  // head counts and the grid fit 32 bits: cheap division
   const int64_t slot = blockIdx.x / H;
@@ -468,6 +486,14 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
       if ((jt >> 1) <= warp)
         s_kk[((warp * (warp + 1) / 2 + (jt >> 1)) * 2 + (jt & 1)) * 32 + lane] =
             make_float4(kk[jt][0], kk[jt][1], kk[jt][2], kk[jt][3]);
+    // The diagonal (row gid + 8 (e >> 1) = column 8 (jt & 1) + 2 t4 + (e & 1) of block jt >> 1 = warp).
+    const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+    for (int jt = 0; jt < 8; ++jt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if ((jt >> 1) == warp && gid + 8 * (e >> 1) == 8 * (jt & 1) + 2 * t4 + (e & 1))
+          s_knorm2[16 * warp + gid + 8 * (e >> 1)] = kk[jt][e];
   }
   __syncthreads();  // the k tile is free: the inverse's exchange tiles and staging go there
 
@@ -486,6 +512,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
                  s_beta);
       __syncthreads();
     }
+    if (warp < n) write_chunk_decay(p.chunk_decay + slot * p.HV + static_cast<int64_t>(h) * G + g0 + warp,
+                                    s_gc[warp], s_beta[warp], s_knorm2);
     for (int gl = 0; gl < n; ++gl) {
       __nv_bfloat16* a_out = a_first + (g0 + gl) * 64 * 64;
       switch (warp) {

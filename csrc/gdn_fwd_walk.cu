@@ -3,7 +3,8 @@
 //            from the segment's start state; the last segment writes the final state;
 //   summary: the walk of one segment without output, from zero (E_s; segment 0 from the
 //            initial state) or from the identity with v = 0 (M_s), written to the
-//            segment workspaces for the chain (gdn_fwd_chain.cu).
+//            segment workspaces for the chain (gdn_fwd_chain.cu); at a truncated cut
+//            (gdn_fwd.h) E_s over the truncation window only, from zero, and no M_s.
 //
 // One CTA per (segment, value head[, E or M]), three warpgroups with separate jobs:
 //   state warpgroups 0 and 1: each holds 64 rows (value columns) of the transposed state
@@ -398,6 +399,30 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
   }
 }
 
+// Summary mode: the truncation window of an inner segment (see gdn_fwd.h), as the
+// offset of its first chunk from the segment's first, or -1 if the cut is exact: the
+// latest chunk cw with sum over c = cw .. nch - 1 of decay[c] <= kGdnTruncLogDecay
+// (the smallest window). decay: chunk_decay at the segment's first chunk, stride HV.
+// Every warp computes it alike (same loads and the same summation order), so no barrier.
+__device__ __forceinline__ int truncation_start(const float* decay, int64_t HV, int nch) {
+  const int lane = threadIdx.x & 31;
+  float carry = 0.f;  // the log decay of the chunks after this round's
+  for (int end = nch; end > 0; end -= 32) {
+    const int c = end - 1 - lane;  // lane 0 takes the latest chunk
+    float x = c >= 0 ? decay[c * HV] : 0.f;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const float y = __shfl_up_sync(0xffffffffu, x, o);
+      if (lane >= o) x += y;
+    }
+    x += carry;  // the log decay of chunks c .. nch - 1
+    const unsigned hit = __ballot_sync(0xffffffffu, c >= 0 && x <= kGdnTruncLogDecay);
+    if (hit != 0u) return end - __ffs(hit);  // the lowest lane: the latest chunk
+    carry = __shfl_sync(0xffffffffu, x, 31);
+  }
+  return -1;
+}
+
 // Output mode: CTA (segment slot, hv); summary mode: CTA (inner segment, hv, E or M),
 // inner segments being those that are not their document's last. CTAs past the real
 // segments, and M of segment 0 (whose start state is known), return at once.
@@ -416,9 +441,16 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
   if (transfer && sp.seg == 0) return;
 
   const int64_t head_state = slot * p.HV + hv;  // this (segment, value head)'s workspace matrix
+  int skip = 0;  // chunks of the segment before the walk starts (summary of a truncated cut)
+  if constexpr (!kOutput) {
+    const int cw = truncation_start(p.chunk_decay + (p.chunk_offsets[sp.doc] + sp.c0) * p.HV + hv, p.HV, sp.nch);
+    if (transfer && cw >= 0) return;  // truncated: the chain needs no M_s
+    if (!transfer && threadIdx.x == 0) p.seg_exact[head_state] = cw < 0;
+    skip = cw > 0 ? cw : 0;
+  }
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
   const float* S0 = nullptr;
-  if (sp.seg == 0 && !transfer) {
+  if (sp.seg == 0 && !transfer && skip == 0) {
     if (p.initial_state != nullptr) S0 = p.initial_state + (sp.doc * p.HV + hv) * kMat;
   } else if (kOutput) {
     S0 = p.seg_state + (head_state - p.HV) * kMat;  // the chained start state, in the previous slot
@@ -427,16 +459,17 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
   if constexpr (kOutput) S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
   else S_end = (transfer ? p.seg_transfer : p.seg_state) + head_state * kMat;
 
-  const int64_t seg_start = sp.doc_start + static_cast<int64_t>(sp.c0) * kGdnChunk;
-  const int64_t seg_end = min(sp.doc_end, seg_start + static_cast<int64_t>(sp.nch) * kGdnChunk);
+  const int c0 = sp.c0 + skip, nch = sp.nch - skip;
+  const int64_t seg_start = sp.doc_start + static_cast<int64_t>(c0) * kGdnChunk;
+  const int64_t seg_end = min(sp.doc_end, seg_start + static_cast<int64_t>(nch) * kGdnChunk);
   const int wg = threadIdx.x >> 7;
   if (wg == 2) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs));
-    aux_warpgroup<kOutput>(p, smem, hv, hv / (p.HV / p.H), seg_start, seg_end, sp.nch,
-                           p.chunk_offsets[sp.doc] + sp.c0, !transfer);
+    aux_warpgroup<kOutput>(p, smem, hv, hv / (p.HV / p.H), seg_start, seg_end, nch, p.chunk_offsets[sp.doc] + c0,
+                           !transfer);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs));
-    state_warpgroup<kOutput>(p, smem, wg, hv, seg_start, sp.doc_end, sp.nch, S0, transfer, S_end);
+    state_warpgroup<kOutput>(p, smem, wg, hv, seg_start, sp.doc_end, nch, S0, transfer, S_end);
   }
 }
 

@@ -1,7 +1,7 @@
 """The CUDA GDN forward (``torch.ops.cake_cuda.gdn_fwd``, csrc/gdn_fwd*.cu) on the GPU.
 
 Checked against the FP64 token-by-token reference (the accuracy contract of DESIGN.md
-§2) under NaN-poisoned allocation, stage by stage (the prep op's A diag(beta) and gcum
+§2) under NaN-poisoned allocation, stage by stage (the prep op's A diag(beta), gcum and chunk_decay
 against the PyTorch chunked algorithm, then o and the final state), plus bitwise
 determinism, CUDA-graph capture, the walk cut into segments (summaries, chain, walk;
 the fixed deterministic grid) and the six benchmark shapes (first and last document
@@ -88,10 +88,11 @@ def _used_slots(lengths):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_prep_matches_chunked(ops, case):
-    """Stage 1 alone: A diag(beta) (bf16) and gcum against the PyTorch chunked algorithm."""
+    """Stage 1 alone: A diag(beta) (bf16), gcum and chunk_decay against the PyTorch
+    chunked algorithm."""
     inp, l2 = _inputs(case, seed=1)
     with poisoned_allocations():
-        a, gcum = ops.gdn_fwd_prep(inp["q"], inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
+        a, gcum, decay = ops.gdn_fwd_prep(inp["q"], inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
     prep, _ = chunked._prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
     used = _used_slots(case[1])
     a_ref = prep.A * prep.beta[..., None, :]
@@ -102,6 +103,29 @@ def test_prep_matches_chunked(ops, case):
     record_accuracy("cuda prep gcum", acc_g)
     assert acc_a.ok, f"A diag(beta): {acc_a}"
     assert acc_g.finite and acc_g.rel_rms < 1e-5, f"gcum: {acc_g}"
+    # Unit keys (in-op or given) and beta in (0, 1): every chunk is a contraction.
+    assert decay.shape == gcum.shape[:2]
+    assert torch.equal(decay[:used], gcum[:used, :, -1])
+
+
+def test_prep_chunk_decay_marks_non_contractions(ops):
+    """chunk_decay is +inf exactly for the chunks with a token whose update I - beta k k^T
+    is not a contraction (beta |k|^2 > 2), so no truncated cut is ever taken across them;
+    document 1 has keys of norm 2, so most of its chunks have such a token."""
+    lengths = [300, 200, 70]
+    inp = make_gdn_inputs(lengths, 2, 4, 128, 128, normalized_qk=True, device="cuda", seed=40)
+    k = inp["k"].clone()
+    k[300:500] = (k[300:500].float() * 2).to(k.dtype)
+    with poisoned_allocations():
+        _, gcum, decay = ops.gdn_fwd_prep(inp["q"], k, inp["g"], inp["beta"], inp["cu_seqlens"], False)
+    prep, _ = chunked._prepare(inp["q"], k, inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], False)
+    used = _used_slots(lengths)
+    bk = prep.beta[:used] * torch.diagonal(prep.kk[:used], dim1=-2, dim2=-1)  # [used, HV, 64]
+    contraction = ((bk >= 0) & (bk <= 2)).all(-1)
+    clear = ((bk - 2).abs() > 1e-3).all(-1)  # no token so near the bound that rounding decides
+    assert (~contraction).any() and contraction.any()
+    expect = torch.where(contraction, gcum[:used, :, -1], torch.full_like(decay[:used], float("inf")))
+    assert torch.equal(decay[:used][clear], expect[clear])
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -129,11 +153,30 @@ SEGMENT_CASES = [
 @pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c[0] for c in SEGMENT_CASES])
 def test_segmented_walk_accuracy(ops, case, segment_chunks):
     """The walk cut into segments (summaries E_s and M_s, the fp32 chain, the walk from
-    the chained start states) against FP64, every output and workspace NaN-poisoned."""
+    the chained start states) against FP64, every output and workspace NaN-poisoned. The
+    normal and strong gates truncate every cut (a chunk's log decay is far below -20);
+    the slow gate truncates none."""
     inp, l2 = _inputs(case, seed=20 + segment_chunks)
     with poisoned_allocations():
         o, ht = _call(ops, inp, l2, segment_chunks=segment_chunks)
     _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd segmented", f"{case[0]} cut every {segment_chunks} chunks")
+
+
+def test_truncated_and_exact_cuts_mixed(ops):
+    """Cuts of one chunk where strong chunks (log decay ~ -640: truncated cuts, E_s from
+    zero over the last chunk, no M_s) and slow ones (~ -0.06: exact cuts through M_s) alternate
+    differently per value head, so the chain meets exact steps right after truncated ones;
+    against FP64, NaN-poisoned."""
+    lengths = [64 * 9 + 17, 64 * 3]
+    inp = make_gdn_inputs(lengths, 1, 2, 128, 128, initial_state=True, device="cuda", seed=41)
+    T = sum(lengths)
+    chunk = torch.cat([torch.arange(n, device="cuda") // 64 for n in lengths])
+    strong = torch.stack([chunk % 3 == 0, chunk % 2 == 1], dim=1)  # [T, HV]
+    u = torch.rand(T, 2, device="cuda", generator=torch.Generator(device="cuda").manual_seed(42))
+    inp["g"] = torch.where(strong, -20 * u - 0.5, -1e-3 * (u + 0.5)).contiguous()
+    with poisoned_allocations():
+        o, ht = _call(ops, inp, True, segment_chunks=1)
+    _assert_matches_reference(o, ht, inp, True, "cuda gdn_fwd segmented", "truncated and exact cuts mixed")
 
 
 def test_segmented_walk_is_bitwise_deterministic(ops):
