@@ -79,17 +79,19 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-// Cost model, in units of one chunk step of the walk with output on one SM (~3.2 us on
-// an H200); a summary chunk step (no output, E or M) costs kSummaryStep of it and a chain
-// step kChainStep (both measured with tools/gdn_fwd_gpu_check.py --segments). Units of
-// one length (whole documents, summaries) run in whole waves of sm_count; the walk's
-// pieces are ragged (a document's last is short), so they count in fractional waves; a
-// cut plan must win by kMargin.
+// Cost model, in units of one chunk step of the walk with output on one SM (~2.75 us on
+// an H200), fitted to tools/gdn_fwd_gpu_check.py --segments sweeps at the benchmark's
+// mamba gate. The walk: units of one length (whole documents) run in whole waves of
+// sm_count; cut pieces are ragged (a document's last is short), so they count in
+// fractional waves. Summaries: most cuts are truncated (gdn_fwd.h) and cost a short walk
+// each, about kSummaryWave per wave of them; the exact ones (slow heads) walk E_s and M_s
+// over the whole segment, about kSummaryStep a chunk, alongside. The chain:
+// kChainStep a segment. A cut plan must win by kMargin.
 // Documents are taken as equally long (T / N): their lengths are on the device.
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count) {
   if (deterministic) return kGdnDetSegChunks;
   if (N <= 0 || T <= 0 || sm_count <= 0) return 0;
-  constexpr double kSummaryStep = 0.5, kChainStep = 1.5, kMargin = 0.85;
+  constexpr double kSummaryWave = 6.5, kSummaryStep = 0.25, kChainStep = 0.9, kMargin = 0.85;
   const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
   const double walks = static_cast<double>(N * HV);
   auto waves = [&](double units) { return std::ceil(units / sm_count); };
@@ -100,8 +102,8 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
   for (int g : {16, 24, 32, 48, 64, 96, 128}) {
     const double segs = std::ceil(chunks / g);
     if (segs < 2) continue;
-    const double summaries = walks * ((segs - 1) + (segs - 2));  // E for all but the last, M for 1 .. P-2
-    const double cost = waves(summaries) * g * kSummaryStep + (segs - 2) * kChainStep + ragged_waves(walks * segs) * g;
+    const double summaries = kSummaryWave * waves(walks * (segs - 1)) + kSummaryStep * g;
+    const double cost = summaries + (segs - 2) * kChainStep + ragged_waves(walks * segs) * g;
     if (cost < best) best = cost, best_g = g;
   }
   return best_g;
