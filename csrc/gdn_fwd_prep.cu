@@ -344,7 +344,12 @@ __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, u
 }
 
 // The tile's rows scaled to unit L2 norm (fp32, rounded once to bf16), written to
-// `normed` (real rows only) and, if write_back, into the tile.
+// `normed` (real rows only, one 16-byte store a lane: see st_global_16) and, if
+// write_back, into the tile.
+__device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 __device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* normed, const ChunkPos& pos,
                                             int64_t H, int h, bool write_back) {
   const int tid = threadIdx.x, c = tid & 15;
@@ -355,12 +360,11 @@ __device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* 
 #pragma unroll
   for (int it = 0; it < 8; ++it) {
     const int r = it * 8 + (tid >> 4);
-    __nv_bfloat162* pair = reinterpret_cast<__nv_bfloat162*>(&raw[it]);
-    float2 f[4];
+    const float2 f[4] = {unpack_bf16(raw[it].x), unpack_bf16(raw[it].y), unpack_bf16(raw[it].z),
+                         unpack_bf16(raw[it].w)};
     float ss = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      f[e] = __bfloat1622float2(pair[e]);
       ss = fmaf(f[e].x, f[e].x, ss);
       ss = fmaf(f[e].y, f[e].y, ss);
     }
@@ -368,10 +372,10 @@ __device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* 
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float rstd = rsqrtf(ss + kL2NormEps);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) pair[e] = __floats2bfloat162_rn(f[e].x * rstd, f[e].y * rstd);
-    if (r < pos.len) *reinterpret_cast<uint4*>(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8) = raw[it];
-    if (write_back) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = raw[it];
+    const uint4 out = make_uint4(mma::pack_bf16(f[0].x * rstd, f[0].y * rstd), mma::pack_bf16(f[1].x * rstd, f[1].y * rstd),
+                                 mma::pack_bf16(f[2].x * rstd, f[2].y * rstd), mma::pack_bf16(f[3].x * rstd, f[3].y * rstd));
+    if (r < pos.len) mma::st_global_16(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8, out);
+    if (write_back) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = out;
   }
 }
 
