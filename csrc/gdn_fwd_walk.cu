@@ -31,10 +31,15 @@
 //   at 4-5 cycles each, measured with ncu). The aux warpgroup takes everything that does
 //   not need S, so the state warpgroups issue little more than their wgmmas, and
 //   setmaxnreg moves registers from the aux warpgroup (few live values) to them.
-// - Stage handoff by named barriers: FULL[s] (aux arrives once chunk c's tiles, P~ and
-//   gate vectors are in stage s = c % 3; the state warpgroups wait) and EMPTY[s] (the
+// - Stage handoff by named barriers: FULL[wg][s] (aux arrives once chunk c's tiles, P~
+//   and gate vectors are in stage s = c % 3; state warpgroup wg waits) and EMPTY[s] (the
 //   state warpgroups arrive when done with chunk c; the aux waits before loading chunk
 //   c + 3 into it). Arrivals are only made where a wait will consume them.
+// - One FULL barrier per state warpgroup, and warpgroup 1 starting once warpgroup 0 has
+//   issued its first X: with one shared FULL the two ran in lock step, issuing their
+//   wgmmas and their conversions at the same times, and the tensor cores idled during
+//   both conversions; staggered, one's conversions overlap the other's wgmmas (walk 3 %
+//   faster, tools/gdn_fwd_gpu_check.py).
 // - Value columns never mix (every product contracts over the head dim or over tokens),
 //   so a value column's result is the same instruction sequence whichever warpgroup runs it.
 // - Exponents are differences of chunk-local cumsums, <= 0 where used (g <= 0; the gate
@@ -74,9 +79,10 @@ constexpr int kStageBytes = kGOff + 1024;   // padded: every tile stays 1024-ali
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
 
 // Named barriers (0 is __syncthreads).
-constexpr int kBarFull = 1;    // + stage
-constexpr int kBarEmpty = 4;   // + stage
-constexpr int kBarAux = 7;     // the aux warpgroup alone
+constexpr int kBarFull = 1;      // + 7 wg + stage: one per state warpgroup (1..3, 8..10)
+constexpr int kBarEmpty = 4;     // + stage
+constexpr int kBarAux = 7;       // the aux warpgroup alone
+constexpr int kBarStagger = 11;  // warpgroup 1 starts once warpgroup 0 has issued its first X
 
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -224,7 +230,8 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
       }
     }
     if constexpr (kOutput) wgmma::fence_proxy_async();  // P~ is read by wgmma
-    bar_arrive(kBarFull + c % kStages, kWalkThreads);  // stage c % 3 is ready
+    bar_arrive(kBarFull + c % kStages, 256);  // stage c % 3 is ready, for each state warpgroup
+    bar_arrive(kBarFull + 7 + c % kStages, 256);
 
     // Then chunk c + 2, into the stage the state warpgroups free after chunk c - 1:
     // P~ of chunk c is ready before they ask for it.
@@ -271,7 +278,8 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 
   for (int c = 0; c < nch; ++c) {
     const int stage = c % kStages;
-    bar_sync(kBarFull + stage, kWalkThreads);  // chunk c, its P~ and gate vectors are in
+    bar_sync(kBarFull + 7 * wg + stage, 256);  // chunk c, its P~ and gate vectors are in
+    if (c == 0 && wg == 1) bar_sync(kBarStagger, 256);
     unsigned char* st = smem + stage * kStageBytes;
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     const uint32_t sv = mma::smem_addr(st + kVOff), sa = mma::smem_addr(st + kAOff);
@@ -317,6 +325,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), 1);
     wgmma::commit();
+    if (c == 0 && wg == 0) bar_arrive(kBarStagger, 256);
 
     // (3) O^T columns (tokens i) scaled by scale e^gcum_i, once group 2 is done.
     if constexpr (kOutput) {
