@@ -374,18 +374,14 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     __syncwarp();
     const int64_t t0 = seg_start + static_cast<int64_t>(c) * kGdnChunk;
     const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
-    // All four rows read first: a shared load may not move above a global store through
-    // generic pointers (they could alias), so interleaved each store waited a load.
-    uint4 val[4];
-#pragma unroll
-    for (int it = 0; it < 4; ++it)
-      val[it] = *reinterpret_cast<const uint4*>(
-          st + kVOff + wgmma::sw128_offset(64, 16 * it + (lane >> 1), 8 * wg + 2 * warp + (lane & 1)));
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
       const int row = 16 * it + (lane >> 1), ch = lane & 1;
-      if (row < len)
-        *reinterpret_cast<uint4*>(og + ((t0 + row) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * ch) = val[it];
+      if (row < len) {
+        const uint4 val =
+            *reinterpret_cast<const uint4*>(st + kVOff + wgmma::sw128_offset(64, row, 8 * wg + 2 * warp + ch));
+        *reinterpret_cast<uint4*>(og + ((t0 + row) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * ch) = val;
+      }
     }
     }
     if (c + kStages < nch) bar_arrive(kBarEmpty + stage, kWalkThreads);
