@@ -1,15 +1,22 @@
-// The plan of the GDN forward (see gdn_fwd.h): where each document's chunks and
-// segments sit in the static slot grids, and the host's choice of the cut grid.
+// The plan of the GDN forward (see gdn_fwd.h): the check of cu_seqlens, where each
+// document's chunks and segments sit in the static slot grids, and the host's choice of
+// the cut grid.
 //
 // NOTES:
 // - The offsets are computed on the device (no host sync, CUDA-graph safe); launch sizes
 //   use only the bounds gdn_fwd_chunk_slots / gdn_fwd_segment_slots, and CTAs past a
 //   document's real chunks or segments return at once.
+// - cu_seqlens's values are checked here, by the first kernel of the forward, not by
+//   torch ops before it (about 8 small kernels and 50 us of host time a call): a bad
+//   array stops the stream with a device-side assert naming it (as torch._assert_async
+//   would), before any other stage reads it.
 // - The non-deterministic cut grid comes from a cost model over static shapes only (T, N,
 //   HV, SM count): the document lengths are on the device and reading them would sync.
 
 #include <algorithm>
+#include <cassert>  // __assert_fail (glibc), what a device assert calls
 #include <cmath>
+#include <cstdio>
 
 #include "gdn_chunks.cuh"
 #include "gdn_fwd.h"
@@ -43,9 +50,23 @@ __device__ __forceinline__ int32_t block_inclusive_scan(int32_t x, int32_t* warp
   return result;
 }
 
+// cu_seqlens must start at 0, never decrease and end at T: else the values around the
+// first violation this thread sees are printed and the kernel asserts (the CUDA context
+// is then unusable, as after any device-side assert).
+__device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n, int64_t N, int64_t T) {
+  const int64_t lo = cu[n], hi = cu[n + 1];
+  if ((n == 0 && lo != 0) || hi < lo || (n == N - 1 && hi != T)) {
+    printf("cake gdn_fwd: cu_seqlens must start at 0, be non-decreasing and end at T = %lld; got "
+           "cu_seqlens[%lld] = %lld, cu_seqlens[%lld] = %lld\n",
+           static_cast<long long>(T), static_cast<long long>(n), static_cast<long long>(lo),
+           static_cast<long long>(n + 1), static_cast<long long>(hi));
+    __assert_fail("cu_seqlens must start at 0, be non-decreasing and end at T", __FILE__, __LINE__, __func__);
+  }
+}
+
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
 // of max(1, ceil(chunks_m / seg_chunks)) (one segment per document when seg_chunks = 0).
-__global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int seg_chunks,
+__global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int64_t T, int seg_chunks,
                                                             int32_t* chunk_offsets, int32_t* seg_offsets) {
   __shared__ int32_t warp_sums[2][32];
   if (threadIdx.x == 0) chunk_offsets[0] = seg_offsets[0] = 0;
@@ -54,6 +75,7 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
     const int64_t n = base + threadIdx.x;
     int32_t chunks = 0, segs = 0;
     if (n < N) {
+      check_cu_seqlens(cu, n, N, T);
       const int64_t len = cu[n + 1] - cu[n];
       chunks = len > 0 ? static_cast<int32_t>((len + kGdnChunk - 1) / kGdnChunk) : 0;
       segs = seg_chunks > 0 ? max(1, (chunks + seg_chunks - 1) / seg_chunks) : 1;
@@ -74,7 +96,7 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
 
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0) return cudaSuccess;
-  gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks,
+  gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.T, p.seg_chunks,
                                               p.chunk_offsets, p.seg_offsets);
   return cudaGetLastError();
 }

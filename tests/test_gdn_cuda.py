@@ -8,6 +8,10 @@ exact and truncated cuts; the fixed deterministic grid) and the six benchmark sh
 against FP64). Every test is marked ``gpu`` and skipped without a Hopper GPU.
 """
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -292,6 +296,33 @@ def test_cuda_graph_replay_equals_eager(ops):
     torch.cuda.synchronize()
     o_eager, h_eager = _call(ops, fresh, l2)
     assert torch.equal(o_static, o_eager) and torch.equal(h_static, h_eager)
+
+
+@pytest.mark.parametrize(
+    "cu", [[1, 50, 130], [0, 90, 50, 130], [0, 50, 129]], ids=["not_from_0", "decreasing", "not_to_T"]
+)
+def test_bad_cu_seqlens_values_stop_the_kernels(ops, cu):
+    """The kernels' plan stage checks cu_seqlens's values on the device (no torch check
+    kernels, no host sync): a bad array fails the call with an assert naming it. The CUDA
+    context is unusable afterwards, so each case runs in its own process."""
+    program = f"""
+import torch, cake_ops
+from cake_ops.testing import make_gdn_inputs
+inp = make_gdn_inputs([50, 80], 1, 2, 128, 128, device="cuda", seed=0)
+cu = torch.tensor({cu}, dtype=torch.int32, device="cuda")
+try:
+    cake_ops.gdn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu)
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("RAISED", e)
+    raise SystemExit(3)
+print("NO ERROR")
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parent.parent)
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out
+    assert "cu_seqlens must start at 0, be non-decreasing and end at T = 130" in out, out
 
 
 def test_other_head_dims_fall_back_to_pytorch(ops):
