@@ -164,7 +164,7 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
 // Inputs made dense, outputs and workspaces allocated (never initialised: the kernels
 // write what is read), and the launch arguments pointing at them.
 struct GdnFwdCall {
-  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gates, chunk_decay, seg_offsets,
+  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, chunk_decay, qn, kn, seg_offsets,
       seg_state, seg_transfer, seg_exact;
   GdnFwdArgs args;
 };
@@ -192,8 +192,12 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
     c.seg_exact = at::empty({NS, s.HV}, q.options().dtype(at::kInt));
   }
   c.a = at::empty({NC, s.HV, 64, 64}, bf16);
-  c.gates = at::empty({NC, s.HV, 3, 64}, f32);
+  c.gcum = at::empty({NC, s.HV, 64}, f32);
   c.chunk_decay = at::empty({NC, s.HV}, f32);
+  if (use_qk_l2norm) {
+    c.qn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
+    c.kn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
+  }
   if (v != nullptr) {
     if (initial_state) c.h0 = dense16(*initial_state);
     c.o = at::empty({s.T, s.HV, kGdnHeadDim}, bf16);
@@ -213,8 +217,10 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.final_state = c.final_state.defined() ? c.final_state.data_ptr<float>() : nullptr;
   a.chunk_offsets = c.chunk_offsets.data_ptr<int32_t>();
   a.a = c.a.data_ptr();
-  a.gates = c.gates.data_ptr<float>();
+  a.gcum = c.gcum.data_ptr<float>();
   a.chunk_decay = c.chunk_decay.data_ptr<float>();
+  a.qn = c.qn.defined() ? c.qn.data_ptr() : nullptr;
+  a.kn = c.kn.defined() ? c.kn.data_ptr() : nullptr;
   a.seg_offsets = c.seg_offsets.data_ptr<int32_t>();
   a.seg_state = c.seg_state.defined() ? c.seg_state.data_ptr<float>() : nullptr;
   a.seg_transfer = c.seg_transfer.defined() ? c.seg_transfer.data_ptr<float>() : nullptr;
@@ -277,7 +283,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
   cudaError_t err = gdn_fwd_plan_launch(c.args, stream);
   if (err == cudaSuccess) err = gdn_fwd_prep_launch(c.args, stream);
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd_prep: kernel launch failed: ", cudaGetErrorString(err));
-  return {c.a, c.gates.select(2, 0), c.chunk_decay};
+  return {c.a, c.gcum, c.chunk_decay};
 }
 
 }  // namespace

@@ -11,9 +11,8 @@ namespace cake {
 // Forward of the chunked gated delta rule over packed documents (DESIGN.md §1), for
 // head dims K = V = 128, chunk 64:
 //   plan (gdn_fwd_plan.cu): chunk and segment offsets of the documents (a scan over N).
-//   prep (gdn_fwd_prep.cu): per (chunk slot, q/k head): the optional L2 norms of q and k
-//        (kept as factors: the walk reads raw q and k and folds them into its gate
-//        vectors, so normalised copies are never written), K K^T once for the G value heads, then per value head the chunk-local gate
+//   prep (gdn_fwd_prep.cu): per (chunk slot, q/k head): optional L2 norm of q and k,
+//        K K^T once for the G value heads, then per value head the chunk-local gate
 //        cumsum gcum and A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1,
 //        stored with beta folded in: a_ws = A diag(beta) (bf16).
 //   walk (gdn_fwd_walk.cu): per (document, value head): the state walk with the output
@@ -46,14 +45,11 @@ namespace cake {
 // Workspaces (contents need no initialisation; sizes from gdn_fwd_workspace_*):
 //   chunk_offsets  [N + 1] int32                 first chunk slot of each document
 //   a              [NC, HV, 64, 64] bf16         A diag(beta) per chunk slot
-//   gates          [NC, HV, 3, 64] fp32          per value head: gcum, the chunk-local cumsum of g
-//                                                (pads: last value); log2(scale / |q_t|); log2(1 / |k_t|)
-//                                                (|.| taken as 1 without use_qk_l2norm, and on pads;
-//                                                repeated for the G value heads of a q/k head, so
-//                                                the walk reads one 768-byte row a chunk)
+//   gcum           [NC, HV, 64] fp32             chunk-local cumsum of g (pads: last value)
 //   chunk_decay    [NC, HV] fp32                 the chunk's log decay gcum[63] when every
 //                                                token's update I - beta k k^T is a contraction
 //                                                (0 <= beta |k|^2 <= 2), else +inf
+//   qn, kn         [T, H, 128] bf16              L2-normalised q, k (only if use_qk_l2norm)
 //   seg_offsets    [N + 1] int32                 first segment slot of each document
 //   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
 //   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
@@ -75,8 +71,10 @@ struct GdnFwdArgs {
   float* final_state;
   int32_t* chunk_offsets;
   void* a;
-  float* gates;
+  float* gcum;
   float* chunk_decay;
+  void* qn;
+  void* kn;
   int32_t* seg_offsets;
   float* seg_state;
   float* seg_transfer;
@@ -91,6 +89,12 @@ constexpr int kGdnHeadDim = 128;
 constexpr float kGdnTruncLogDecay = -20.f;  // a cut is truncated where the window's log decay is <= this
 
 inline int64_t gdn_fwd_chunk_slots(int64_t T, int64_t N) { return (T + 63) / 64 + N; }
+inline int64_t gdn_fwd_workspace_a_elems(int64_t T, int64_t N, int64_t HV) {
+  return gdn_fwd_chunk_slots(T, N) * HV * 64 * 64;
+}
+inline int64_t gdn_fwd_workspace_gcum_elems(int64_t T, int64_t N, int64_t HV) {
+  return gdn_fwd_chunk_slots(T, N) * HV * 64;
+}
 
 // Segment slots: document n has max(1, ceil(chunks_n / seg_chunks)) <= chunks_n /
 // seg_chunks + 1 segments (an empty one has one, of no chunks, which writes its final

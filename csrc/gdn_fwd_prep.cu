@@ -1,12 +1,11 @@
 // Forward prep of the chunked gated delta rule (see gdn_fwd.h): per (chunk slot, q/k
-// head) the optional L2 norms of q and k (as log2 factors for the walk), K K^T, and per value head
+// head) the optional L2 norm of q and k, K K^T, and per value head
 // gcum, the chunk's certified log decay (chunk_decay) and the WY inverse A diag(beta).
 //
 // NOTES:
-// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes 512 B of norm
-//   factors and one 8 KB tile of A diag(beta) per value head: ~0.5 GB at s32k_h16, an HBM
-//   floor near 0.12 ms. Normalised q and k are not written (268 MB of writes at
-//   s32k_h16): the walk reads raw q and k and scales its fp32 products. So q and k are requested together up front with cp.async (no registers held
+// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes qn, kn (32 KB) and
+//   one 8 KB tile of A diag(beta) per value head: ~0.75 GB at s32k_h16, an HBM floor near
+//   0.18 ms. So q and k are requested together up front with cp.async (no registers held
 //   while they fly) and the gates are loaded under them; K K^T is parked in shared memory
 //   between value heads; <= 96 registers and 35 KB of shared memory give 5 CTAs (20 warps)
 //   per SM, so other CTAs' loads stay in flight while one CTA inverts.
@@ -344,14 +343,15 @@ __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, u
   }
 }
 
-// log2(scale / |row|) of the tile's rows to lnorm[0 .. 63] (log2(scale) on pads) and, if
-// write_back, the rows scaled to unit L2 norm (fp32, rounded once to bf16) into the tile.
+// The tile's rows scaled to unit L2 norm (fp32, rounded once to bf16), written to
+// `normed` (real rows only, one 16-byte store a lane: see st_global_16) and, if
+// write_back, into the tile.
 __device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-__device__ __forceinline__ void l2norm_rows(unsigned char* tile, float* lnorm, float log2_scale,
-                                            const ChunkPos& pos, bool write_back) {
+__device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* normed, const ChunkPos& pos,
+                                            int64_t H, int h, bool write_back) {
   const int tid = threadIdx.x, c = tid & 15;
   uint4 raw[8];
 #pragma unroll
@@ -372,18 +372,16 @@ __device__ __forceinline__ void l2norm_rows(unsigned char* tile, float* lnorm, f
 #pragma unroll
     for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
     const float rstd = rsqrtf(ss + kL2NormEps);
-    if (c == 0) lnorm[r] = r < pos.len ? log2_scale + __log2f(rstd) : log2_scale;
-    if (write_back) {
-      const uint4 out = make_uint4(mma::pack_bf16(f[0].x * rstd, f[0].y * rstd), mma::pack_bf16(f[1].x * rstd, f[1].y * rstd),
-                                   mma::pack_bf16(f[2].x * rstd, f[2].y * rstd), mma::pack_bf16(f[3].x * rstd, f[3].y * rstd));
-      *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = out;
-    }
+    const uint4 out = make_uint4(mma::pack_bf16(f[0].x * rstd, f[0].y * rstd), mma::pack_bf16(f[1].x * rstd, f[1].y * rstd),
+                                 mma::pack_bf16(f[2].x * rstd, f[2].y * rstd), mma::pack_bf16(f[3].x * rstd, f[3].y * rstd));
+    if (r < pos.len) mma::st_global_16(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8, out);
+    if (write_back) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = out;
   }
 }
 
 // gcum and beta of value heads hv0 .. hv0 + n - 1 (n <= kGateHeads), warp w taking head
 // hv0 + w: the chunk-local inclusive cumsum of g (pads have g = 0, so they repeat the last
-// value) to shared memory and p.gates, beta (0 on pads) to shared memory.
+// value) to shared memory and p.gcum, beta (0 on pads) to shared memory.
 __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& pos, int64_t slot, int64_t hv0,
                                            int n, float (*s_gc)[64], float (*s_beta)[64]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -406,7 +404,7 @@ __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& 
     }
   }
   x[1] += __shfl_sync(0xffffffffu, x[0], 31);
-  float* gcum = p.gates + (slot * p.HV + hv) * 3 * 64;
+  float* gcum = p.gcum + (slot * p.HV + hv) * 64;
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     s_gc[warp][32 * s + lane] = x[s];
@@ -437,7 +435,6 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   __shared__ float s_gc[kGateHeads][64];
   __shared__ float s_beta[kGateHeads][64];
   __shared__ float s_knorm2[64];  // |k_i|^2, the diagonal of K K^T
-  __shared__ float s_lnorm[2 * 64];  // the norm factors of q, k (gates rows 1 and 2)
 
   const int H = static_cast<int>(p.H);  // head counts and the grid fit 32 bits: cheap division
   const int64_t slot = blockIdx.x / H;
@@ -459,16 +456,11 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   mma::cp_async_wait_all();
   __syncthreads();
 
-  // 2. The L2 norms: factors of q (with the scale) and k for the walk, k's tile
-  //    normalised for K K^T.
-  const float log2_scale = log2f(p.scale);  // scale > 0 (cake_ops/gdn.py sends others to PyTorch)
+  // 2. The L2 norms: kn (and k's tile for K K^T), qn.
   if (p.use_qk_l2norm) {
-    l2norm_rows(smem + kKTile, s_lnorm + 64, 0.f, pos, true);
-    l2norm_rows(smem + kQTile, s_lnorm, log2_scale, pos, false);
+    l2norm_rows(smem + kKTile, static_cast<__nv_bfloat16*>(p.kn), pos, p.H, h, true);
+    l2norm_rows(smem + kQTile, static_cast<__nv_bfloat16*>(p.qn), pos, p.H, h, false);
     __syncthreads();
-  } else {
-    static_assert(kPrepThreads == 2 * 64, "a thread a factor");
-    s_lnorm[threadIdx.x] = threadIdx.x < 64 ? log2_scale : 0.f;
   }
 
   // 3. K K^T, lower block triangle: warp w forms rows 16w.. for columns < 16w + 16 and
@@ -524,13 +516,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
                  s_beta);
       __syncthreads();
     }
-    if (warp < n) {
-      const int64_t hv = static_cast<int64_t>(h) * G + g0 + warp;
-      write_chunk_decay(p.chunk_decay + slot * p.HV + hv, s_gc[warp], s_beta[warp], s_knorm2);
-      float* norms = p.gates + ((slot * p.HV + hv) * 3 + 1) * 64;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) norms[32 * i + lane] = s_lnorm[32 * i + lane];
-    }
+    if (warp < n) write_chunk_decay(p.chunk_decay + slot * p.HV + static_cast<int64_t>(h) * G + g0 + warp,
+                                    s_gc[warp], s_beta[warp], s_knorm2);
     for (int gl = 0; gl < n; ++gl) {
       __nv_bfloat16* a_out = a_first + (g0 + gl) * 64 * 64;
       switch (warp) {

@@ -14,9 +14,6 @@
 //     a ring of three stages, and per chunk forms what does not depend on the state:
 //     P~ = scale tril(Q K^T * e^(gcum_i - gcum_j)) (bf16) and the gate vectors
 //     e^gcum_j and e^(gl - gcum_j).
-// With use_qk_l2norm, q and k are read raw and their rows' norm factors r (from the prep,
-// with the scale folded into q's) are applied to P~ and the gate vectors, so every product
-// sees unit q and k.
 // Per chunk, every product is a warpgroup MMA (wgmma, bf16 in, fp32 accumulate), B
 // always from shared memory:
 //   P    = Q K^T                                   aux    SS  m64n32k128, two halves
@@ -77,17 +74,8 @@ constexpr int kKOff = kQOff + 64 * kGdnHeadDim * 2;
 constexpr int kVOff = kKOff + 64 * kGdnHeadDim * 2;
 constexpr int kAOff = kVOff + 64 * kGdnHeadDim * 2;
 constexpr int kPOff = kAOff + 64 * 64 * 2;
-// Gate vectors, 64 floats each, at these offsets in floats from kGOff: loaded (the prep's
-// gates row), gcum, log2(scale r_q) and log2 r_k (r = 1 / |row| with use_qk_l2norm, else 1); formed
-// by the aux, the factors the state warpgroups scale their products with.
-constexpr int kGOff = kPOff + 64 * 64 * 2;
-constexpr int kGcum = 0;
-constexpr int kLogScaleRq = 64;
-constexpr int kLogRk = 128;
-constexpr int kNegEgRk = 192;     // -e^gcum_j r_k,j
-constexpr int kDecayRk = 256;     // e^(gl - gcum_j) r_k,j
-constexpr int kOutScale = 320;    // scale e^gcum_i r_q,i
-constexpr int kStageBytes = kGOff + 2048;  // 1536 used, padded: every tile stays 1024-aligned
+constexpr int kGOff = kPOff + 64 * 64 * 2;  // gcum, -e^gcum, e^(gl - gcum), scale e^gcum: 64 floats each
+constexpr int kStageBytes = kGOff + 1024;   // padded: every tile stays 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
 
 // Named barriers (0 is __syncthreads).
@@ -131,17 +119,21 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   const int tid = threadIdx.x - 256, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // stmatrix: this lane's matrix and row
+  const float scale = p.scale;
+  const float log2_scale = log2f(scale);  // scale > 0 (cake_ops/gdn.py sends others to PyTorch)
 
   // Thread tid copies 16-byte chunk lc of rows lr + 8 it of the q, k, v tiles and chunk
   // ac of rows ar + 16 it of the A tile. Pointers at the document's first row.
   const int lr = tid >> 4, lc = tid & 15;
   const int ar = tid >> 3, ac = tid & 7;
   const int64_t qk_row = p.H * kGdnHeadDim, v_row = p.HV * kGdnHeadDim;
-  const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.q) + (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.k) + (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
+  const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.qn : p.q) +
+                            (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
+  const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.kn : p.k) +
+                            (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
   const __nv_bfloat16* vd = static_cast<const __nv_bfloat16*>(p.v) + (seg_start + lr) * v_row + hv * kGdnHeadDim + lc * 8;
   const __nv_bfloat16* ad = static_cast<const __nv_bfloat16*>(p.a) + (first_slot * p.HV + hv) * 64 * 64 + ar * 64 + ac * 8;
-  const float* gd = p.gates + (first_slot * p.HV + hv) * 3 * 64 + tid * 4;
+  const float* gd = p.gcum + (first_slot * p.HV + hv) * 64 + tid * 4;
   const int qkv_off = wgmma::sw128_offset(64, lr, lc), a_off = wgmma::sw128_offset(64, ar, ac);
   const int seg_len = static_cast<int>(seg_end - seg_start);
 
@@ -165,7 +157,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     const int64_t chunk_ofs = static_cast<int64_t>(c) * p.HV;
 #pragma unroll
     for (int it = 0; it < 4; ++it) mma::cp_async_16(st + kAOff + a_off + 2048 * it, ad + chunk_ofs * 64 * 64 + 16 * 64 * it, true);
-    if (tid < 48) mma::cp_async_16(st + kGOff + tid * 16, gd + chunk_ofs * 3 * 64, true);
+    if (tid < 16) mma::cp_async_16(st + kGOff + tid * 16, gd + chunk_ofs * 64, true);
   };
 
   if (nch > 0) issue_loads(0);
@@ -186,20 +178,20 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     if (tid < 64) {
       const float gj = gs[tid], gl = gs[kGdnChunk - 1];
       const float eg = __expf(gj);
-      const float scale_rq = mma::exp2_ftz(gs[kLogScaleRq + tid]), rk = mma::exp2_ftz(gs[kLogRk + tid]);
-      gs[kNegEgRk + tid] = -eg * rk;
-      gs[kDecayRk + tid] = __expf(fminf(gl - gj, 0.f)) * rk;
-      gs[kOutScale + tid] = scale_rq * eg;
+      gs[64 + tid] = -eg;
+      gs[128 + tid] = __expf(fminf(gl - gj, 0.f));
+      gs[192 + tid] = scale * eg;
     }
 
     // P~ in two halves of 32 columns j (this thread: rows i = 16 warp + gid (+8),
     // columns j = 32 half + 8 jt + 2 t4 (+1)), as pq * 2^(r_i - c_j) with the row term
-    // r_i = gcum_i log2(e) + log2(scale r_q,i) and the column term
-    // c_j = gcum_j log2(e) - log2(r_k,j), for every element, then masked by a select
-    // (2^(positive) may be inf above the diagonal).
+    // r_i = gcum_i log2(e) + log2(scale) and the column term c_j = gcum_j log2(e), for
+    // every element, then masked by a select (2^(positive) may be inf above the diagonal).
     // Skipping the groups above the diagonal does not pay (warp 3 has none to skip, and
-    // the aux warps meet every chunk) and costs registers; so does holding the row terms
-    // across the wgmma (they are read again per half).
+    // the aux warps meet every chunk) and costs registers.
+    float row_term[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) row_term[hh] = fmaf(gs[16 * warp + gid + 8 * hh], kLog2e, log2_scale);
 #pragma unroll
     for (int half = 0; half < (kOutput ? 2 : 0); ++half) {
       float pq[16];
@@ -213,18 +205,11 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::fence_operands(pq);
-      float row_term[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int i = 16 * warp + gid + 8 * hh;
-        row_term[hh] = fmaf(gs[kGcum + i], kLog2e, gs[kLogScaleRq + i]);
-      }
 #pragma unroll
       for (int jt = 0; jt < 4; ++jt) {
         const int j = 32 * half + 8 * jt + 2 * t4;
-        const float2 gj = *reinterpret_cast<const float2*>(gs + kGcum + j);
-        const float2 lk = *reinterpret_cast<const float2*>(gs + kLogRk + j);
-        const float c0 = fmaf(gj.x, kLog2e, -lk.x), c1 = fmaf(gj.y, kLog2e, -lk.y);
+        const float2 gj = *reinterpret_cast<const float2*>(gs + j);
+        const float c0 = gj.x * kLog2e, c1 = gj.y * kLog2e;
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = 16 * warp + gid + 8 * hh;
@@ -327,7 +312,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     // (2) Group 3: X = V^T (A diag(beta))^T + W' (A diag(beta))^T with W' = -e^gcum_j U^T.
     wgmma::wait<1>();
     wgmma::fence_operands(u);
-    scale_columns(u, gs + kNegEgRk, t4);
+    scale_columns(u, gs + 64, t4);
     uint32_t wfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(wfrag[ks], u, ks);
@@ -346,7 +331,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     if constexpr (kOutput) {
       wgmma::wait<1>();
       wgmma::fence_operands(o);
-      scale_columns(o, gs + kOutScale, t4);
+      scale_columns(o, gs + 192, t4);
     }
     wgmma::wait<0>();
     wgmma::fence_operands(x);
@@ -356,11 +341,11 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     uint32_t xfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xfrag[ks], x, ks);
-    scale_columns(x, gs + kDecayRk, t4);
+    scale_columns(x, gs + 128, t4);
     uint32_t xtfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xtfrag[ks], x, ks);
-    const float gamma = __expf(gs[kGdnChunk - 1]);  // e^gl (as the aux computes e^gcum)
+    const float gamma = -gs[64 + kGdnChunk - 1];  // e^gl
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] *= gamma;
     wgmma::fence();
