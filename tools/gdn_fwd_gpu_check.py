@@ -151,8 +151,7 @@ def floors_ms(shape):
     return flop / (PEAK_TFLOPS * 1e12) * 1e3, bytes_ / (HBM_TBPS * 1e12) * 1e3
 
 
-def time_events(ops, shapes) -> dict:
-    out = {}
+def time_events(ops, shapes) -> None:
     for shape in shapes:
         try:
             args = bench_inputs(shape)
@@ -170,7 +169,6 @@ def time_events(ops, shapes) -> dict:
                 times.append(start.elapsed_time(end))
             med = statistics.median(times)
             flop_ms, byte_ms = floors_ms(shape)
-            out[shape.name] = med
             print(f"{shape.name:10s} docs {len(shape.docs):3d} x ~{shape.T // len(shape.docs):5d}  (H, HV) = "
                   f"({shape.H:2d}, {shape.HV:2d})  median {med:7.3f} ms  (min {min(times):.3f}, max {max(times):.3f})"
                   f"  floors: flop {flop_ms:.3f} ms, bytes {byte_ms:.3f} ms  -> {flop_ms / med * 100:5.1f} % of "
@@ -180,7 +178,6 @@ def time_events(ops, shapes) -> dict:
             FAILED.append(f"timing {shape.name}")
             print(f"{shape.name}: FAILED {type(e).__name__}: {e}")
             traceback.print_exc()
-    return out
 
 
 def _kernel_stage(name: str) -> str:
@@ -197,10 +194,49 @@ def _kernel_stage(name: str) -> str:
     return "other"
 
 
-def time_profiler(ops, shapes, event_ms: dict, plans):
-    """Per-kernel device time for each plan: (label, deterministic, segment_chunks)."""
+def _event_median(ops, args) -> float:
+    ops.gdn_fwd(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(CALLS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        ops.gdn_fwd(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _busy_ms(prof, calls: int) -> float:
+    """The union of the kernels' device intervals per call: with the summaries on a side
+    stream beside the first walks, kernels overlap and their sum overstates the time."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
+    busy, end = 0.0, -1.0
+    for a, b in spans:
+        if a > end:
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    return busy / 1e3 / calls
+
+
+def time_profiler(ops, shapes, plans):
+    """Per-kernel device time for each plan: (label, deterministic, segment_chunks), with
+    the busy time (union of kernel intervals) and, measured first (CUPTI then slows
+    launches), each plan's CUDA-event median."""
     from torch.profiler import ProfilerActivity, profile
 
+    plan_event_ms = {}
+    for shape, (label, deterministic, segment_chunks) in ((s, p) for s in shapes for p in plans):
+        try:
+            plan_event_ms[shape.name, label] = _event_median(ops, bench_inputs(shape, deterministic, segment_chunks))
+        except Exception as e:  # noqa: BLE001
+            FAILED.append(f"events {shape.name} {label}")
+            print(f"{shape.name} {label}: event timing FAILED {type(e).__name__}: {e}")
     for shape, (label, deterministic, segment_chunks) in ((s, p) for s in shapes for p in plans):
         try:
             args = bench_inputs(shape, deterministic, segment_chunks)
@@ -222,8 +258,8 @@ def time_profiler(ops, shapes, event_ms: dict, plans):
                     per_stage[key] = per_stage.get(key, 0.0) + us / 1e3 / PROFILED_CALLS
             total = sum(v for k, v in per_stage.items() if k != "other")
             parts = "  ".join(f"{k} {v:.3f}" for k, v in sorted(per_stage.items()))
-            print(f"{shape.name:10s} {label:8s} kernels {total:7.3f} ms/call  [{parts}]  "
-                  f"(event median, det plan {event_ms.get(shape.name, float('nan')):.3f} ms)")
+            print(f"{shape.name:10s} {label:8s} kernels {total:7.3f} ms/call  busy {_busy_ms(prof, PROFILED_CALLS):.3f}  "
+                  f"event {plan_event_ms.get((shape.name, label), float('nan')):.3f}  [{parts}]")
             del args
         except Exception as e:  # noqa: BLE001
             FAILED.append(f"profile {shape.name}")
@@ -260,15 +296,14 @@ def main() -> int:
         from cake_ops.bench import SHAPES
 
         shapes = list(SHAPES.values())
-        event_ms = {}
         with stage("timing (CUDA events, back to back)"):
-            event_ms = time_events(ops, shapes)
+            time_events(ops, shapes)
         plans = [("det", True, -1), ("nd", False, -1)]
         if "--segments" in sys.argv:
             grids = sys.argv[sys.argv.index("--segments") + 1]
             plans += [(f"cut{g}", True, int(g)) for g in grids.split(",")]
         with stage("timing (profiler, per kernel)"):
-            time_profiler(ops, shapes, event_ms, plans)
+            time_profiler(ops, shapes, plans)
     print(f"\n===== summary: {'all stages passed' if not FAILED else 'FAILED: ' + ', '.join(FAILED)} =====")
     if log is not None:
         sys.stdout.flush()
