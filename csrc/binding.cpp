@@ -162,11 +162,23 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
 }
 
 // Inputs made dense, outputs and workspaces allocated (never initialised: the kernels
-// write what is read), and the launch arguments pointing at them.
+// write what is read), and the launch arguments pointing at them. The workspaces (see
+// gdn_fwd.h) share one allocation, carved at 256-byte boundaries: one allocator call
+// instead of ten on the host path of every call.
 struct GdnFwdCall {
-  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, chunk_offsets, a, gcum, chunk_decay, qn, kn, seg_offsets,
-      seg_state, seg_transfer, seg_exact;
+  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, workspace;
+  int64_t a_offset = 0, gcum_offset = 0, chunk_decay_offset = 0;  // bytes into workspace (for gdn_fwd_prep)
   GdnFwdArgs args;
+};
+
+// Byte offsets of consecutive pieces of one buffer.
+struct Carve {
+  int64_t bytes = 0;
+  int64_t take(int64_t n) {
+    const int64_t at = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return at;
+  }
 };
 
 GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
@@ -183,21 +195,19 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   const auto f32 = q.options().dtype(at::kFloat);
   const auto bf16 = q.options().dtype(at::kBFloat16);
   const int64_t NC = gdn_fwd_chunk_slots(s.T, s.N);
-  c.chunk_offsets = at::empty({s.N + 1}, q.options().dtype(at::kInt));
-  c.seg_offsets = at::empty({s.N + 1}, q.options().dtype(at::kInt));
-  if (seg_chunks > 0) {
-    const int64_t NS = gdn_fwd_segment_slots(s.T, s.N, seg_chunks);
-    c.seg_state = at::empty({NS, s.HV, kGdnHeadDim, kGdnHeadDim}, f32);
-    c.seg_transfer = at::empty({NS, s.HV, kGdnHeadDim, kGdnHeadDim}, f32);
-    c.seg_exact = at::empty({NS, s.HV}, q.options().dtype(at::kInt));
-  }
-  c.a = at::empty({NC, s.HV, 64, 64}, bf16);
-  c.gcum = at::empty({NC, s.HV, 64}, f32);
-  c.chunk_decay = at::empty({NC, s.HV}, f32);
-  if (use_qk_l2norm) {
-    c.qn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
-    c.kn = at::empty({s.T, s.H, kGdnHeadDim}, bf16);
-  }
+  const int64_t NS = seg_chunks > 0 ? gdn_fwd_segment_slots(s.T, s.N, seg_chunks) : 0;
+  constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
+  const int64_t qk_bytes = use_qk_l2norm ? s.T * s.H * kGdnHeadDim * 2 : 0;
+  Carve ws;
+  const int64_t chunk_offsets = ws.take((s.N + 1) * 4), seg_offsets = ws.take((s.N + 1) * 4);
+  const int64_t seg_state = ws.take(NS * s.HV * kMatBytes), seg_transfer = ws.take(NS * s.HV * kMatBytes);
+  const int64_t seg_exact = ws.take(NS * s.HV * 4);
+  c.a_offset = ws.take(NC * s.HV * 64 * 64 * 2);
+  c.gcum_offset = ws.take(NC * s.HV * 64 * 4);
+  c.chunk_decay_offset = ws.take(NC * s.HV * 4);
+  const int64_t qn = ws.take(qk_bytes), kn = ws.take(qk_bytes);
+  c.workspace = at::empty({ws.bytes}, q.options().dtype(at::kByte));
+  unsigned char* base = static_cast<unsigned char*>(c.workspace.data_ptr());
   if (v != nullptr) {
     if (initial_state) c.h0 = dense16(*initial_state);
     c.o = at::empty({s.T, s.HV, kGdnHeadDim}, bf16);
@@ -215,16 +225,16 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.initial_state = c.h0.defined() ? c.h0.data_ptr<float>() : nullptr;
   a.o = c.o.defined() ? c.o.data_ptr() : nullptr;
   a.final_state = c.final_state.defined() ? c.final_state.data_ptr<float>() : nullptr;
-  a.chunk_offsets = c.chunk_offsets.data_ptr<int32_t>();
-  a.a = c.a.data_ptr();
-  a.gcum = c.gcum.data_ptr<float>();
-  a.chunk_decay = c.chunk_decay.data_ptr<float>();
-  a.qn = c.qn.defined() ? c.qn.data_ptr() : nullptr;
-  a.kn = c.kn.defined() ? c.kn.data_ptr() : nullptr;
-  a.seg_offsets = c.seg_offsets.data_ptr<int32_t>();
-  a.seg_state = c.seg_state.defined() ? c.seg_state.data_ptr<float>() : nullptr;
-  a.seg_transfer = c.seg_transfer.defined() ? c.seg_transfer.data_ptr<float>() : nullptr;
-  a.seg_exact = c.seg_exact.defined() ? c.seg_exact.data_ptr<int32_t>() : nullptr;
+  a.chunk_offsets = reinterpret_cast<int32_t*>(base + chunk_offsets);
+  a.a = base + c.a_offset;
+  a.gcum = reinterpret_cast<float*>(base + c.gcum_offset);
+  a.chunk_decay = reinterpret_cast<float*>(base + c.chunk_decay_offset);
+  a.qn = use_qk_l2norm ? base + qn : nullptr;
+  a.kn = use_qk_l2norm ? base + kn : nullptr;
+  a.seg_offsets = reinterpret_cast<int32_t*>(base + seg_offsets);
+  a.seg_state = NS > 0 ? reinterpret_cast<float*>(base + seg_state) : nullptr;
+  a.seg_transfer = NS > 0 ? reinterpret_cast<float*>(base + seg_transfer) : nullptr;
+  a.seg_exact = NS > 0 ? reinterpret_cast<int32_t*>(base + seg_exact) : nullptr;
   a.seg_chunks = seg_chunks;
   a.T = s.T;
   a.N = s.N;
@@ -283,7 +293,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
   cudaError_t err = gdn_fwd_plan_launch(c.args, stream);
   if (err == cudaSuccess) err = gdn_fwd_prep_launch(c.args, stream);
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd_prep: kernel launch failed: ", cudaGetErrorString(err));
-  return {c.a, c.gcum, c.chunk_decay};
+  const int64_t NC = gdn_fwd_chunk_slots(s.T, s.N);
+  auto piece = [&](int64_t offset, int64_t elems, at::ScalarType dtype, at::IntArrayRef shape) {
+    return c.workspace.narrow(0, offset, elems * at::elementSize(dtype)).view(dtype).view(shape);
+  };
+  return {piece(c.a_offset, NC * s.HV * 64 * 64, at::kBFloat16, {NC, s.HV, 64, 64}),
+          piece(c.gcum_offset, NC * s.HV * 64, at::kFloat, {NC, s.HV, 64}),
+          piece(c.chunk_decay_offset, NC * s.HV, at::kFloat, {NC, s.HV})};
 }
 
 }  // namespace
