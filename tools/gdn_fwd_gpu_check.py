@@ -151,6 +151,19 @@ def floors_ms(shape):
     return flop / (PEAK_TFLOPS * 1e12) * 1e3, bytes_ / (HBM_TBPS * 1e12) * 1e3
 
 
+def _event_times(ops, args) -> list[float]:
+    """CUDA-event time of CALLS calls, each timed alone (after the caller's warm-up)."""
+    times = []
+    for _ in range(CALLS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        ops.gdn_fwd(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
 def time_events(ops, shapes) -> None:
     for shape in shapes:
         try:
@@ -159,14 +172,7 @@ def time_events(ops, shapes) -> None:
                 o, ht = ops.gdn_fwd(*args)
             torch.cuda.synchronize()
             finite = bool(torch.isfinite(o.float()).all()) and bool(torch.isfinite(ht).all())
-            times = []
-            for _ in range(CALLS):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                ops.gdn_fwd(*args)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
+            times = _event_times(ops, args)
             med = statistics.median(times)
             flop_ms, byte_ms = floors_ms(shape)
             print(f"{shape.name:10s} docs {len(shape.docs):3d} x ~{shape.T // len(shape.docs):5d}  (H, HV) = "
@@ -194,23 +200,9 @@ def _kernel_stage(name: str) -> str:
     return "other"
 
 
-def _event_median(ops, args) -> float:
-    ops.gdn_fwd(*args)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(CALLS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        ops.gdn_fwd(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def _busy_ms(prof, calls: int) -> float:
-    """The union of the kernels' device intervals per call: with the summaries on a side
-    stream beside the first walks, kernels overlap and their sum overstates the time."""
+    """The union of the kernels' device intervals per call: where kernels of a call
+    overlap (several streams), their sum overstates the time."""
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
                    if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start)
     busy, end = 0.0, -1.0
@@ -233,7 +225,9 @@ def time_profiler(ops, shapes, plans):
     plan_event_ms = {}
     for shape, (label, deterministic, segment_chunks) in ((s, p) for s in shapes for p in plans):
         try:
-            plan_event_ms[shape.name, label] = _event_median(ops, bench_inputs(shape, deterministic, segment_chunks))
+            args = bench_inputs(shape, deterministic, segment_chunks)
+            ops.gdn_fwd(*args)  # warm-up
+            plan_event_ms[shape.name, label] = statistics.median(_event_times(ops, args))
         except Exception as e:  # noqa: BLE001
             FAILED.append(f"events {shape.name} {label}")
             print(f"{shape.name} {label}: event timing FAILED {type(e).__name__}: {e}")
