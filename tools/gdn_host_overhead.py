@@ -4,8 +4,9 @@ when the kernels are short.
 
     python tools/gdn_host_overhead.py [--calls 300] [--profile]   # repo root, Hopper GPU
 
-Times calls issued back to back with no sync (host time) and with the final sync (wall)
-for: cake_ops.gdn with grad-requiring inputs (what a training step and the benchmark's
+Times calls issued back to back with no sync (host time) and with the final sync (wall),
+few enough (--calls 100, 5 launches each) that the launch queue never fills and blocks
+the host on the GPU, for: cake_ops.gdn with grad-requiring inputs (what a training step and the benchmark's
 fwd op run), torch.ops.cake.gdn_fwd under no_grad (the custom op without autograd), and
 the raw extension op torch.ops.cake_cuda.gdn_fwd. Shape: s16k_h8 (4 x 4096 tokens,
 (H, HV) = (8, 16)), deterministic, in-op L2 norm. --profile adds a cProfile of the first.
@@ -32,7 +33,7 @@ from cake_ops.testing import make_gdn_inputs  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
 
