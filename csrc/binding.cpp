@@ -236,6 +236,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.seg_transfer = NS > 0 ? reinterpret_cast<float*>(base + seg_transfer) : nullptr;
   a.seg_exact = NS > 0 ? reinterpret_cast<int32_t*>(base + seg_exact) : nullptr;
   a.seg_chunks = seg_chunks;
+  a.walk_splits = a.summary_splits = 1;
   a.T = s.T;
   a.N = s.N;
   a.H = s.H;
@@ -247,12 +248,14 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
 
 // The whole forward: (o, final_state). segment_chunks: -1 lets the plan choose the cut
 // grid (fixed for deterministic, shape- and SM-count-dependent otherwise); >= 0 forces
-// one (0: uncut), for tests and tuning.
+// one (0: uncut). value_splits: -1 lets the plan choose the walks' value-column split
+// (from the shapes and SM count), 1 or 2 forces it. Forcing is for tests and tuning.
 std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta,
                                            const at::Tensor& cu_seqlens,
                                            const std::optional<at::Tensor>& initial_state, double scale,
-                                           bool use_qk_l2norm, bool deterministic, int64_t segment_chunks) {
+                                           bool use_qk_l2norm, bool deterministic, int64_t segment_chunks,
+                                           int64_t value_splits) {
   const GdnShapes s = check_gdn_inputs("gdn_fwd", q, k, &v, g, beta, cu_seqlens);
   if (initial_state) {
     TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({s.N, s.HV, kGdnHeadDim, kGdnHeadDim}),
@@ -264,18 +267,23 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
   }
   TORCH_CHECK(segment_chunks >= -1 && segment_chunks <= (1 << 20), "gdn_fwd: segment_chunks must be -1 (the plan's "
               "choice), 0 (uncut) or a cut grid in chunks, got ", segment_chunks);
+  TORCH_CHECK(value_splits == -1 || value_splits == 1 || value_splits == 2,
+              "gdn_fwd: value_splits must be -1 (the plan's choice), 1 or 2, got ", value_splits);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   int sm_count = 0;
-  if (segment_chunks < 0 && !deterministic) {
-    const cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.device().index());
-    TORCH_CHECK(err == cudaSuccess, "gdn_fwd: cannot read the SM count: ", cudaGetErrorString(err));
-  }
+  const cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.device().index());
+  TORCH_CHECK(err == cudaSuccess, "gdn_fwd: cannot read the SM count: ", cudaGetErrorString(err));
   const int seg_chunks = segment_chunks >= 0
                              ? static_cast<int>(segment_chunks)
                              : gdn_fwd_choose_segment_chunks(s.T, s.N, s.HV, deterministic, sm_count);
   GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, seg_chunks);
-  const cudaError_t err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(err));
+  const double walks = gdn_fwd_estimated_segments(s.T, s.N, seg_chunks) * static_cast<double>(s.HV);
+  const double summaries = 2.0 * gdn_fwd_estimated_inner_segments(s.T, s.N, seg_chunks) * static_cast<double>(s.HV);
+  c.args.walk_splits = value_splits > 0 ? static_cast<int>(value_splits) : gdn_fwd_choose_value_splits(walks, sm_count);
+  c.args.summary_splits =
+      value_splits > 0 ? static_cast<int>(value_splits) : gdn_fwd_choose_value_splits(summaries, sm_count);
+  const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(launch_err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(launch_err));
   return {c.o, c.final_state};
 }
 
@@ -311,7 +319,8 @@ TORCH_LIBRARY(cake_cuda, m) {
       "Tensor? initial_state, bool silu) -> Tensor");
   m.def(
       "gdn_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
-      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1) "
+      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
+      "int value_splits=-1) "
       "-> (Tensor, Tensor)");
   m.def(
       "gdn_fwd_prep(Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, bool use_qk_l2norm) "

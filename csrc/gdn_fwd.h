@@ -81,6 +81,8 @@ struct GdnFwdArgs {
   int32_t* seg_exact;
   int64_t T, N, H, HV;
   int seg_chunks;  // > 0: the cut grid in chunks; 0: one segment per document
+  int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)
+  int summary_splits;  // the same for the summaries; the bits are the same either way
   float scale;
   bool use_qk_l2norm;
 };
@@ -114,6 +116,15 @@ inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks) {
 // the SM count (0 when the (document, value head) walks alone fill the GPU).
 constexpr int kGdnDetSegChunks = 64;
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count);
+
+// Value-column splits (1 or 2) of a walk launch of about `walks` (segment, value head[,
+// E or M]) CTAs: 2 where even split they fit in one wave (gdn_fwd_walk.cu). The result
+// does not depend on it, so the deterministic variant uses it too.
+int gdn_fwd_choose_value_splits(double walks, int sm_count);
+// About how many segments the documents have, and how many are not their document's
+// last, taking the documents as equally long (their lengths are on the device).
+double gdn_fwd_estimated_segments(int64_t T, int64_t N, int seg_chunks);
+double gdn_fwd_estimated_inner_segments(int64_t T, int64_t N, int seg_chunks);
 
 // The whole forward: plan, prep, segment summaries and chain (if cut), walk. Returns
 // the first launch error.

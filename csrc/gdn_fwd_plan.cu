@@ -131,4 +131,16 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
   return best_g;
 }
 
+double gdn_fwd_estimated_segments(int64_t T, int64_t N, int seg_chunks) {
+  if (N <= 0 || T <= 0) return static_cast<double>(std::max<int64_t>(N, 0));
+  const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
+  return static_cast<double>(N) * (seg_chunks > 0 ? std::max(1.0, std::ceil(chunks / seg_chunks)) : 1.0);
+}
+
+double gdn_fwd_estimated_inner_segments(int64_t T, int64_t N, int seg_chunks) {
+  return gdn_fwd_estimated_segments(T, N, seg_chunks) - static_cast<double>(std::max<int64_t>(N, 0));
+}
+
+int gdn_fwd_choose_value_splits(double walks, int sm_count) { return 2.0 * walks <= sm_count ? 2 : 1; }
+
 }  // namespace cake

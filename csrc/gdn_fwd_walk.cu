@@ -10,6 +10,9 @@
 //   state warpgroups 0 and 1: each holds 64 rows (value columns) of the transposed state
 //     S^T (64 x 128 fp32, 64 registers per thread) across all chunks of the document
 //     and runs the serial chain plus the output of its columns;
+// or, split by value columns (value_splits = 2, for shapes with fewer walks than half
+// the SMs), two CTAs per (segment, value head[, E or M]), each with one state warpgroup
+// for its half of the columns, and the aux warpgroup 1:
 //   aux warpgroup 2: loads chunks ahead (cp.async, zero fill past the document end) into
 //     a ring of three stages, and per chunk forms what does not depend on the state:
 //     P~ = scale tril(Q K^T * e^(gcum_i - gcum_j)) (bf16) and the gate vectors
@@ -41,7 +44,11 @@
 //   both conversions; staggered, one's conversions overlap the other's wgmmas (walk 3 %
 //   faster, tools/gdn_fwd_gpu_check.py).
 // - Value columns never mix (every product contracts over the head dim or over tokens),
-//   so a value column's result is the same instruction sequence whichever warpgroup runs it.
+//   so a value column's result is the same instruction sequence whichever warpgroup, and
+//   whichever CTA, runs it: the split is free to depend on the SM count in either mode.
+// - Why the split: a CTA's chunk step is bound by its SM's tensor cores (two state
+//   warpgroups plus P~ per chunk); where walks leave SMs idle, one state warpgroup per SM
+//   takes a chunk in less time, at the cost of loading q, k, A and forming P~ twice.
 // - Exponents are differences of chunk-local cumsums, <= 0 where used (g <= 0; the gate
 //   vectors clamp): strong decay underflows to 0; masked elements are selected away,
 //   never multiplied by 0.
@@ -50,6 +57,8 @@
 // - o is staged (stmatrix.trans) into the warp's own, consumed columns of the V tile and
 //   stored 16 bytes per lane, real token rows only: a ragged chunk never writes into the
 //   next document.
+
+#include <algorithm>
 
 #include <cuda_bf16.h>
 
@@ -61,12 +70,23 @@
 namespace cake {
 namespace {
 
-constexpr int kWalkThreads = 384;  // state warpgroups 0, 1 and the aux warpgroup 2
-constexpr int kStateRegs = 224;  // setmaxnreg: 2 * 224 + 56 = 3 * 168, the launch allocation
-constexpr int kAuxRegs = 56;
+// kStateWgs state warpgroups (2: both halves of the value columns; 1: the CTA's half),
+// then the aux warpgroup.
+template <int kStateWgs>
+constexpr int kWalkThreads = 128 * (kStateWgs + 1);
+// setmaxnreg: 2 * 224 + 56 = 3 * 168, the launch allocation of the unsplit CTA (where both
+// are at the edge: one more live value spills); the split CTA has room to spare (and its
+// state warpgroup, which holds its half's index beside the warpgroup's, spills at 224).
+template <int kStateWgs>
+constexpr int kStateRegs = kStateWgs == 2 ? 224 : 240;
+template <int kStateWgs>
+constexpr int kAuxRegs = kStateWgs == 2 ? 56 : 104;
 // setmaxnreg only moves registers within what the CTA got at launch (the launch bound's
 // cap per thread); asking for more makes the increasing warpgroups wait forever.
-static_assert(2 * kStateRegs + kAuxRegs <= 3 * (65536 / kWalkThreads / 8 * 8), "register pool overcommitted");
+template <int kStateWgs>
+constexpr bool kRegistersFit =
+    kStateWgs * kStateRegs<kStateWgs> + kAuxRegs<kStateWgs> <= (kStateWgs + 1) * std::min(255, 65536 / kWalkThreads<kStateWgs> / 8 * 8);
+static_assert(kRegistersFit<1> && kRegistersFit<2>, "register pool overcommitted");
 constexpr int kStages = 3;
 constexpr int kBV = 64;  // value columns per state warpgroup: its wgmma M
 constexpr int kQOff = 0;
@@ -111,12 +131,14 @@ __device__ __forceinline__ void scale_columns(float (&acc)[32], const float* f, 
 
 // The aux warpgroup: loads two chunks ahead; P~ and gate vectors one chunk ahead.
 // Tokens seg_start .. seg_end - 1 (nch chunks from chunk slot first_slot); with_v = false
-// fills the V tiles with zeros instead.
-template <bool kOutput>
+// fills the V tiles with zeros instead. A split CTA (kStateWgs = 1) loads only the value
+// columns of its half vh.
+template <bool kOutput, int kStateWgs>
 __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int64_t hv, int64_t h,
                                               int64_t seg_start, int64_t seg_end, int nch, int64_t first_slot,
-                                              bool with_v) {
-  const int tid = threadIdx.x - 256, lane = tid & 31, warp = tid >> 5;
+                                              bool with_v, int vh) {
+  constexpr int kThreads = kWalkThreads<kStateWgs>;
+  const int tid = threadIdx.x - 128 * kStateWgs, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // stmatrix: this lane's matrix and row
   const float scale = p.scale;
@@ -136,10 +158,11 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   const float* gd = p.gcum + (first_slot * p.HV + hv) * 64 + tid * 4;
   const int qkv_off = wgmma::sw128_offset(64, lr, lc), a_off = wgmma::sw128_offset(64, ar, ac);
   const int seg_len = static_cast<int>(seg_end - seg_start);
+  const bool my_v = kStateWgs == 2 || lc >> 3 == vh;  // this thread's 16 bytes of the V rows are used
 
   auto issue_loads = [&](int c) {
     const int stage = c % kStages;
-    if (c >= kStages) bar_sync(kBarEmpty + stage, kWalkThreads);  // the state warpgroups are done with c - 3
+    if (c >= kStages) bar_sync(kBarEmpty + stage, kThreads);  // the state warpgroups are done with c - 3
     const uint32_t st = mma::smem_addr(smem + stage * kStageBytes);
     const int left = seg_len - c * kGdnChunk - lr;  // rows of this thread below `left` are real
     const int64_t tok = static_cast<int64_t>(c) * kGdnChunk;
@@ -149,7 +172,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
       const bool ok = 8 * it < left;  // else nothing is read (zero fill) from a valid address
       if constexpr (kOutput) mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, ok ? q : qd, ok);
       mma::cp_async_16(st + kKOff + qkv_off + 1024 * it, ok ? k : kd, ok);
-      mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok && with_v);  // M_s: v = 0
+      if (my_v) mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok && with_v);  // M_s: v = 0
       q += 8 * qk_row;
       k += 8 * qk_row;
       v += 8 * v_row;
@@ -231,7 +254,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     }
     if constexpr (kOutput) wgmma::fence_proxy_async();  // P~ is read by wgmma
     bar_arrive(kBarFull + c % kStages, 256);  // stage c % 3 is ready, for each state warpgroup
-    bar_arrive(kBarFull + 7 + c % kStages, 256);
+    if constexpr (kStateWgs == 2) bar_arrive(kBarFull + 7 + c % kStages, 256);
 
     // Then chunk c + 2, into the stage the state warpgroups free after chunk c - 1:
     // P~ of chunk c is ready before they ask for it.
@@ -240,17 +263,18 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   }
 }
 
-// A state warpgroup: the walk of 64 value columns (v0 ..) of one (segment, value head),
-// from S0 (K x V fp32, rows of 128; nullptr: zeros; identity: the K x K identity), to
-// S_end (same layout, or transposed when identity: M_s^T, the layout the chain reads).
-template <bool kOutput>
-__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int64_t hv,
-                                                int64_t seg_start, int64_t doc_end, int nch, const float* S0,
-                                                bool identity, float* S_end) {
+// A state warpgroup (wg of the CTA's): the walk of the 64 value columns of half vh
+// (v0 = 64 vh ..) of one (segment, value head), from S0 (K x V fp32, rows of 128;
+// nullptr: zeros; identity: the K x K identity), to S_end (same layout, or transposed
+// when identity: M_s^T, the layout the chain reads).
+template <bool kOutput, int kStateWgs>
+__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int vh,
+                                                int64_t hv, int64_t seg_start, int64_t doc_end, int nch,
+                                                const float* S0, bool identity, float* S_end) {
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix/stmatrix: this lane's matrix and row
-  const int v0 = wg * kBV;
+  const int v0 = vh * kBV;
   __nv_bfloat16* og = static_cast<__nv_bfloat16*>(p.o);
 
   // S^T accumulator: s[4 nt + e] is value column `col` (+8 for e >= 2), head dim 8 nt + 2 t4 + (e & 1).
@@ -279,7 +303,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
   for (int c = 0; c < nch; ++c) {
     const int stage = c % kStages;
     bar_sync(kBarFull + 7 * wg + stage, 256);  // chunk c, its P~ and gate vectors are in
-    if (c == 0 && wg == 1) bar_sync(kBarStagger, 256);
+    if (kStateWgs == 2 && c == 0 && wg == 1) bar_sync(kBarStagger, 256);
     unsigned char* st = smem + stage * kStageBytes;
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     const uint32_t sv = mma::smem_addr(st + kVOff), sa = mma::smem_addr(st + kAOff);
@@ -308,7 +332,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
       mma::ldmatrix_x4_trans(vfrag[ks],
-                             sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)));
+                             sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * vh + 2 * warp + (mi & 1)));
     // (2) Group 3: X = V^T (A diag(beta))^T + W' (A diag(beta))^T with W' = -e^gcum_j U^T.
     wgmma::wait<1>();
     wgmma::fence_operands(u);
@@ -325,7 +349,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), 1);
     wgmma::commit();
-    if (c == 0 && wg == 0) bar_arrive(kBarStagger, 256);
+    if (kStateWgs == 2 && c == 0 && wg == 0) bar_arrive(kBarStagger, 256);
 
     // (3) O^T columns (tokens i) scaled by scale e^gcum_i, once group 2 is done.
     if constexpr (kOutput) {
@@ -369,7 +393,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     for (int jj = 0; jj < 4; ++jj) {
       uint32_t r[4];
       wgmma::to_a_frag(r, o, jj);
-      mma::stmatrix_x4_trans(sv + wgmma::sw128_offset(64, 16 * jj + (mi >> 1) * 8 + r8, 8 * wg + 2 * warp + (mi & 1)), r);
+      mma::stmatrix_x4_trans(sv + wgmma::sw128_offset(64, 16 * jj + (mi >> 1) * 8 + r8, 8 * vh + 2 * warp + (mi & 1)), r);
     }
     __syncwarp();
     const int64_t t0 = seg_start + static_cast<int64_t>(c) * kGdnChunk;
@@ -379,12 +403,12 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
       const int row = 16 * it + (lane >> 1), ch = lane & 1;
       if (row < len) {
         const uint4 val =
-            *reinterpret_cast<const uint4*>(st + kVOff + wgmma::sw128_offset(64, row, 8 * wg + 2 * warp + ch));
+            *reinterpret_cast<const uint4*>(st + kVOff + wgmma::sw128_offset(64, row, 8 * vh + 2 * warp + ch));
         *reinterpret_cast<uint4*>(og + ((t0 + row) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * ch) = val;
       }
     }
     }
-    if (c + kStages < nch) bar_arrive(kBarEmpty + stage, kWalkThreads);
+    if (c + kStages < nch) bar_arrive(kBarEmpty + stage, kWalkThreads<kStateWgs>);
   }
 
   // The end state (for an empty document: the initial state or zeros).
@@ -432,18 +456,22 @@ __device__ __forceinline__ int truncation_start(const float* decay, int64_t HV, 
   return -1;
 }
 
-// Output mode: CTA (segment slot, hv); summary mode: CTA (inner segment, hv, E or M),
-// inner segments being those that are not their document's last. CTAs past the real
-// segments, and M of segment 0 (whose start state is known), return at once.
-template <bool kOutput>
-__global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const GdnFwdArgs p) {
+// Output mode: CTA (segment slot, hv[, half]); summary mode: CTA (inner segment, hv, E or
+// M[, half]), inner segments being those that are not their document's last (the half
+// only when split: kStateWgs = 1; the halves are neighbours, so they run together and
+// share their loads of q, k and A in L2). CTAs past the real segments, and M of segment
+// 0 (whose start state is known), return at once.
+template <bool kOutput, int kStateWgs>
+__global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1) gdn_fwd_walk_kernel(const GdnFwdArgs p) {
   extern __shared__ unsigned char smem_raw[];
   unsigned char* smem = smem_raw + ((1024 - (mma::smem_addr(smem_raw) & 1023)) & 1023);
 
-  constexpr int kKinds = kOutput ? 1 : 2;
-  const bool transfer = !kOutput && blockIdx.x % kKinds == 1;  // M_s rather than E_s
-  const int64_t hv = blockIdx.x / kKinds % p.HV;
-  const int64_t item = blockIdx.x / kKinds / p.HV;
+  constexpr int kKinds = kOutput ? 1 : 2, kHalves = 3 - kStateWgs;
+  const int half = kHalves == 2 ? blockIdx.x % 2 : 0;
+  const int64_t block = blockIdx.x / kHalves;
+  const bool transfer = !kOutput && block % kKinds == 1;  // M_s rather than E_s
+  const int64_t hv = block / kKinds % p.HV;
+  const int64_t item = block / kKinds / p.HV;
   if (item >= p.seg_offsets[p.N] - (kOutput ? 0 : p.N)) return;
   const int64_t slot = kOutput ? item : inner_segment_slot(p.seg_offsets, p.N, item);
   const SegmentPos sp = find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, slot);
@@ -454,7 +482,7 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
   if constexpr (!kOutput) {
     const int cw = truncation_start(p.chunk_decay + (p.chunk_offsets[sp.doc] + sp.c0) * p.HV + hv, p.HV, sp.nch);
     if (transfer && cw >= 0) return;  // truncated: the chain needs no M_s
-    if (!transfer && threadIdx.x == 0) p.seg_exact[head_state] = cw < 0;
+    if (!transfer && half == 0 && threadIdx.x == 0) p.seg_exact[head_state] = cw < 0;
     skip = cw > 0 ? cw : 0;
   }
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
@@ -472,27 +500,34 @@ __global__ void __launch_bounds__(kWalkThreads, 1) gdn_fwd_walk_kernel(const Gdn
   const int64_t seg_start = sp.doc_start + static_cast<int64_t>(c0) * kGdnChunk;
   const int64_t seg_end = min(sp.doc_end, seg_start + static_cast<int64_t>(nch) * kGdnChunk);
   const int wg = threadIdx.x >> 7;
-  if (wg == 2) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs));
-    aux_warpgroup<kOutput>(p, smem, hv, hv / (p.HV / p.H), seg_start, seg_end, nch, p.chunk_offsets[sp.doc] + c0,
-                           !transfer);
+  if (wg == kStateWgs) {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs<kStateWgs>));
+    aux_warpgroup<kOutput, kStateWgs>(p, smem, hv, hv / (p.HV / p.H), seg_start, seg_end, nch,
+                                      p.chunk_offsets[sp.doc] + c0, !transfer, half);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs));
-    state_warpgroup<kOutput>(p, smem, wg, hv, seg_start, sp.doc_end, nch, S0, transfer, S_end);
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
+    state_warpgroup<kOutput, kStateWgs>(p, smem, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : half, hv, seg_start, sp.doc_end, nch, S0,
+                                        transfer, S_end);
   }
+}
+
+template <bool kOutput, int kStateWgs>
+cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t stream) {
+  auto kernel = gdn_fwd_walk_kernel<kOutput, kStateWgs>;
+  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = items * p.HV * (kOutput ? 1 : 2) * (3 - kStateWgs);
+  if (blocks == 0) return cudaSuccess;
+  kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
 }
 
 template <bool kOutput>
 cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const cudaError_t err =
-      cudaFuncSetAttribute(gdn_fwd_walk_kernel<kOutput>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  if (err != cudaSuccess) return err;
   const int64_t items = kOutput ? gdn_fwd_segment_slots(p.T, p.N, p.seg_chunks) : gdn_fwd_inner_segment_slots(p.T, p.seg_chunks);
-  const int64_t blocks = items * p.HV * (kOutput ? 1 : 2);
-  if (blocks == 0) return cudaSuccess;
-  gdn_fwd_walk_kernel<kOutput><<<static_cast<unsigned>(blocks), kWalkThreads, kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  const int splits = kOutput ? p.walk_splits : p.summary_splits;
+  return splits == 2 ? launch_walk_ctas<kOutput, 1>(p, items, stream) : launch_walk_ctas<kOutput, 2>(p, items, stream);
 }
 
 }  // namespace

@@ -58,10 +58,10 @@ def _inputs(case, seed=0):
     return inp, l2
 
 
-def _call(ops, inp, l2, scale=128**-0.5, deterministic=True, segment_chunks=-1):
+def _call(ops, inp, l2, scale=128**-0.5, deterministic=True, segment_chunks=-1, value_splits=-1):
     return ops.gdn_fwd(
         inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], inp["initial_state"],
-        scale, l2, deterministic, segment_chunks,
+        scale, l2, deterministic, segment_chunks, value_splits,
     )
 
 
@@ -181,6 +181,30 @@ def test_truncated_and_exact_cuts_mixed(ops):
     with poisoned_allocations():
         o, ht = _call(ops, inp, True, segment_chunks=1)
     _assert_matches_reference(o, ht, inp, True, "cuda gdn_fwd segmented", "truncated and exact cuts mixed")
+
+
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c[0] for c in SEGMENT_CASES])
+def test_value_split_walk_is_bitwise_the_unsplit_walk(ops, case):
+    """The walks split by value columns (two CTAs per (segment, value head), each with one
+    state warpgroup for half the columns; the plan's choice for shapes with few walks)
+    give the bits of the unsplit walks, uncut and cut (the summaries split too), and meet
+    the contract; every output and workspace NaN-poisoned. The plan may then pick the
+    split from the SM count, also for deterministic=True."""
+    inp, l2 = _inputs(case, seed=50)
+    for segment_chunks in (0, 2):
+        results = []
+        for value_splits in (1, 2):
+            with poisoned_allocations():
+                results.append(_call(ops, inp, l2, segment_chunks=segment_chunks, value_splits=value_splits))
+        (o1, h1), (o2, h2) = results
+        assert torch.equal(o1, o2) and torch.equal(h1, h2), f"cut every {segment_chunks} chunks"
+        _assert_matches_reference(o2, h2, inp, l2, "cuda gdn_fwd value split", f"{case[0]} cut {segment_chunks}")
+
+
+def test_value_splits_argument_is_checked(ops):
+    inp, l2 = _inputs(CASES[0], seed=51)
+    with pytest.raises(RuntimeError, match="value_splits must be -1 .* 1 or 2, got 3"):
+        _call(ops, inp, l2, value_splits=3)
 
 
 def test_segmented_walk_is_bitwise_deterministic(ops):

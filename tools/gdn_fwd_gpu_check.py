@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """One-shot GPU check of the CUDA GDN forward (csrc/gdn_fwd*.cu): build, tests, timings.
 
-    python tools/gdn_fwd_gpu_check.py [--no-tests] [--segments 0,16,32,64]   # repo root, Hopper GPU
+    python tools/gdn_fwd_gpu_check.py [--no-tests] [--segments 0,16,32,64] [--splits 1,2]
+                                      [--shapes s16k_long,s32k_h2]   # repo root, Hopper GPU
 
 Stages, each guarded so that one failure does not hide the others:
   1. environment: torch, CUDA, device;
@@ -13,7 +14,9 @@ Stages, each guarded so that one failure does not hide the others:
      CUDA-event-timed calls after warm-up, then per-kernel device time from
      torch.profiler in a second pass (CUPTI slows launches once attached), against
      the FLOP floor at 790 TFLOP/s; for the deterministic and the non-deterministic plan,
-     and per kernel for each forced cut grid of --segments (in chunks, 0 = uncut).
+     and per kernel for each forced cut grid of --segments (in chunks, 0 = uncut); with
+     --splits, each of those again with the walks' value-column split forced (1 or 2).
+     --shapes limits the timings to the shapes named.
 Everything printed also goes to $OUT/gdn_fwd_gpu_check.log when $OUT is set.
 """
 
@@ -134,12 +137,12 @@ def run_tests() -> int:
     return rc
 
 
-def bench_inputs(shape, deterministic=True, segment_chunks=-1):
+def bench_inputs(shape, deterministic=True, segment_chunks=-1, value_splits=-1):
     from cake_ops.bench import make_inputs
 
     inp = make_inputs(shape, torch.device("cuda"), "mamba", seed=0)
     return (inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, None, shape.K**-0.5, True, deterministic,
-            segment_chunks)
+            segment_chunks, value_splits)
 
 
 def floors_ms(shape):
@@ -217,23 +220,23 @@ def _busy_ms(prof, calls: int) -> float:
 
 
 def time_profiler(ops, shapes, plans):
-    """Per-kernel device time for each plan: (label, deterministic, segment_chunks), with
+    """Per-kernel device time for each plan: (label, deterministic, segment_chunks, value_splits), with
     the busy time (union of kernel intervals) and, measured first (CUPTI then slows
     launches), each plan's CUDA-event median."""
     from torch.profiler import ProfilerActivity, profile
 
     plan_event_ms = {}
-    for shape, (label, deterministic, segment_chunks) in ((s, p) for s in shapes for p in plans):
+    for shape, (label, *plan) in ((s, p) for s in shapes for p in plans):
         try:
-            args = bench_inputs(shape, deterministic, segment_chunks)
+            args = bench_inputs(shape, *plan)
             ops.gdn_fwd(*args)  # warm-up
             plan_event_ms[shape.name, label] = statistics.median(_event_times(ops, args))
         except Exception as e:  # noqa: BLE001
             FAILED.append(f"events {shape.name} {label}")
             print(f"{shape.name} {label}: event timing FAILED {type(e).__name__}: {e}")
-    for shape, (label, deterministic, segment_chunks) in ((s, p) for s in shapes for p in plans):
+    for shape, (label, *plan) in ((s, p) for s in shapes for p in plans):
         try:
-            args = bench_inputs(shape, deterministic, segment_chunks)
+            args = bench_inputs(shape, *plan)
             ops.gdn_fwd(*args)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -289,13 +292,15 @@ def main() -> int:
     if ops is not None:
         from cake_ops.bench import SHAPES
 
-        shapes = list(SHAPES.values())
+        def option(name):
+            return sys.argv[sys.argv.index(name) + 1].split(",") if name in sys.argv else []
+
+        shapes = [SHAPES[n] for n in option("--shapes")] or list(SHAPES.values())
         with stage("timing (CUDA events, back to back)"):
             time_events(ops, shapes)
-        plans = [("det", True, -1), ("nd", False, -1)]
-        if "--segments" in sys.argv:
-            grids = sys.argv[sys.argv.index("--segments") + 1]
-            plans += [(f"cut{g}", True, int(g)) for g in grids.split(",")]
+        plans = [("det", True, -1, -1), ("nd", False, -1, -1)]
+        plans += [(f"cut{g}", True, int(g), -1) for g in option("--segments")]
+        plans += [(f"{label}/s{n}", d, g, int(n)) for n in option("--splits") for label, d, g, _ in list(plans)]
         with stage("timing (profiler, per kernel)"):
             time_profiler(ops, shapes, plans)
     print(f"\n===== summary: {'all stages passed' if not FAILED else 'FAILED: ' + ', '.join(FAILED)} =====")
