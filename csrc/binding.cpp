@@ -138,6 +138,8 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(g.dim() == 2 && g.size(0) == T, op, ": g must be [T, HV] with T = ", T, ", got ", g.sizes());
   const int64_t HV = g.size(1);
   TORCH_CHECK(HV >= 1 && HV % H == 0, op, ": the value heads HV = ", HV, " must be a positive multiple of H = ", H);
+  TORCH_CHECK(HV < (1 << 24), op, ": the kernels take row strides HV * 128 as 32-bit values; HV = ", HV,
+              " must be below 2^24");
   if (v != nullptr) {
     TORCH_CHECK(v->dim() == 3 && v->size(0) == T && v->size(1) == HV, op, ": v must be [T, HV, V] = [", T,
                 ", ", HV, ", V], got ", v->sizes());

@@ -105,27 +105,30 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 // an H200), fitted to tools/gdn_fwd_gpu_check.py --segments sweeps at the benchmark's
 // mamba gate. The walk: units of one length (whole documents) run in whole waves of
 // sm_count; cut pieces are ragged (a document's last is short), so they count in
-// fractional waves. Summaries: most cuts are truncated (gdn_fwd.h) and cost a short walk
-// each, about kSummaryWave per wave of them; the exact ones (slow heads) walk E_s and M_s
-// over the whole segment, about kSummaryStep a chunk, alongside. The chain:
-// kChainStep a segment. A cut plan must win by kMargin.
-// Documents are taken as equally long (T / N): their lengths are on the device.
+// fractional waves; a launch that fits in one wave when split by value columns
+// (gdn_fwd_choose_value_splits) takes kSplitStep of a step per chunk. Summaries: most cuts
+// are truncated (gdn_fwd.h) and cost a short walk each, about kSummaryWave per wave of
+// them; the exact ones (slow heads) walk E_s and M_s over the whole segment, about
+// kSummaryStep a chunk, alongside. The chain: kChainStep a segment. A cut plan must win by
+// kMargin. Documents are taken as equally long (T / N): their lengths are on the device.
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count) {
   if (deterministic) return kGdnDetSegChunks;
   if (N <= 0 || T <= 0 || sm_count <= 0) return 0;
-  constexpr double kSummaryWave = 6.5, kSummaryStep = 0.25, kChainStep = 0.9, kMargin = 0.85;
+  constexpr double kSummaryWave = 6.5, kSummaryStep = 0.25, kChainStep = 0.9, kMargin = 0.85, kSplitStep = 0.66;
   const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
   const double walks = static_cast<double>(N * HV);
+  auto split = [&](double units) { return gdn_fwd_choose_value_splits(units, sm_count) == 2 ? kSplitStep : 1.0; };
   auto waves = [&](double units) { return std::ceil(units / sm_count); };
   auto ragged_waves = [&](double units) { return std::max(1.0, units / sm_count); };
-  const double uncut = waves(walks) * chunks;
+  const double uncut = split(walks) * waves(walks) * chunks;
   double best = kMargin * uncut;
   int best_g = 0;
   for (int g : {16, 24, 32, 48, 64, 96, 128}) {
     const double segs = std::ceil(chunks / g);
     if (segs < 2) continue;
-    const double summaries = kSummaryWave * waves(walks * (segs - 1)) + kSummaryStep * g;
-    const double cost = summaries + (segs - 2) * kChainStep + ragged_waves(walks * segs) * g;
+    const double summary_units = 2 * walks * (segs - 1);
+    const double summaries = split(summary_units) * (kSummaryWave * waves(walks * (segs - 1)) + kSummaryStep * g);
+    const double cost = summaries + (segs - 2) * kChainStep + split(walks * segs) * ragged_waves(walks * segs) * g;
     if (cost < best) best = cost, best_g = g;
   }
   return best_g;

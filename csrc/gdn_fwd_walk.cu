@@ -22,7 +22,7 @@
 //   P    = Q K^T                                   aux    SS  m64n32k128, two halves
 //   U^T  = S^T K^T                                 state  RS  m64n64k128
 //   O^T  = S^T Q^T                                 state  RS  m64n64k128
-//   X    = (V^T - e^gcum * U^T) (A diag(beta))^T   state  RS  m64n64k64, twice  (X = v_new^T)
+//   X    = (V^T - e^gcum * U^T) (A diag(beta))^T   state  RS  m64n64k64  (X = v_new^T)
 //   S^T  = e^gl S^T + (X * e^(gl - gcum)) K        state  RS  m64n128k64 (K MN-major)
 //   O^T  = scale e^gcum_i * O^T + X P~^T           state  RS  m64n64k64
 // The chain S -> U -> X -> S never leaves registers: S^T, W' = -e^gcum U^T and X are
@@ -148,7 +148,9 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
   // ac of rows ar + 16 it of the A tile. Pointers at the document's first row.
   const int lr = tid >> 4, lc = tid & 15;
   const int ar = tid >> 3, ac = tid & 7;
-  const int64_t qk_row = p.H * kGdnHeadDim, v_row = p.HV * kGdnHeadDim;
+  // Row strides in elements as 32-bit values (H, HV < 2^24): one register each, not two
+  // (the aux warpgroup has 56).
+  const int qk_row = static_cast<int>(p.H) * kGdnHeadDim, v_row = static_cast<int>(p.HV) * kGdnHeadDim;
   const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.qn : p.q) +
                             (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
   const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.kn : p.k) +
@@ -166,7 +168,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     const uint32_t st = mma::smem_addr(smem + stage * kStageBytes);
     const int left = seg_len - c * kGdnChunk - lr;  // rows of this thread below `left` are real
     const int64_t tok = static_cast<int64_t>(c) * kGdnChunk;
-    const __nv_bfloat16 *q = qd + tok * qk_row, *k = kd + tok * qk_row, *v = vd + tok * v_row;
+    const __nv_bfloat16 *q = qd + tok * qk_row, *k = kd + tok * qk_row, *v = vd + tok * v_row;  // int64 products
 #pragma unroll
     for (int it = 0; it < 8; ++it) {
       const bool ok = 8 * it < left;  // else nothing is read (zero fill) from a valid address
@@ -327,16 +329,26 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     }
     wgmma::commit();  // (an empty group in summary mode keeps the wait counts below)
 
-    // Meanwhile: V^T as A fragments (tokens = k).
-    uint32_t vfrag[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      mma::ldmatrix_x4_trans(vfrag[ks],
-                             sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * vh + 2 * warp + (mi & 1)));
-    // (2) Group 3: X = V^T (A diag(beta))^T + W' (A diag(beta))^T with W' = -e^gcum_j U^T.
+    // (2) Group 3: X = (V^T + W') (A diag(beta))^T with W' = -e^gcum_j U^T, the sum formed
+    // in fp32 (one fma per element, in place of U^T) and rounded to bf16 once: one k64
+    // product on the serial chain rather than one for V^T and one for W'. V^T comes as
+    // A fragments (tokens = k), read k-step by k-step (no registers to hold all four).
     wgmma::wait<1>();
     wgmma::fence_operands(u);
-    scale_columns(u, gs + 64, t4);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks) {
+      uint32_t vfrag[4];
+      mma::ldmatrix_x4_trans(vfrag, sv + wgmma::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * vh + 2 * warp + (mi & 1)));
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        // vfrag[r] holds the bf16 pair of accumulator elements i, i + 1 (to_a_frag):
+        // tokens 8 (i / 4) + 2 t4 (+1), as in scale_columns.
+        const int i = 8 * ks + 2 * r;
+        const float2 e = *reinterpret_cast<const float2*>(gs + 64 + 8 * (i >> 2) + 2 * t4);
+        u[i] = fmaf(u[i], e.x, __uint_as_float(vfrag[r] << 16));
+        u[i + 1] = fmaf(u[i + 1], e.y, __uint_as_float(vfrag[r] & 0xffff0000u));
+      }
+    }
     uint32_t wfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(wfrag[ks], u, ks);
@@ -345,9 +357,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     for (int i = 0; i < 32; ++i) x[i] = 0.f;
     wgmma::fence();
 #pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, vfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), 1);
+    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
     wgmma::commit();
     if (kStateWgs == 2 && c == 0 && wg == 0) bar_arrive(kBarStagger, 256);
 

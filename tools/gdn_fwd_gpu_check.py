@@ -194,11 +194,11 @@ def _kernel_stage(name: str) -> str:
         return "F0 plan"
     if "gdn_fwd_prep" in name:
         return "F1 prep"
-    if "gdn_fwd_walk_kernel<false>" in name:
+    if "gdn_fwd_walk_kernel<false" in name:
         return "F2 summaries"
     if "gdn_fwd_chain" in name:
         return "F3 chain"
-    if "gdn_fwd_walk_kernel<true>" in name:
+    if "gdn_fwd_walk_kernel<true" in name:
         return "F4 walk"
     return "other"
 
