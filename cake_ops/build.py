@@ -37,6 +37,12 @@ CUDA_CFLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-l
 # since torch 2.10, what cpp_extension passes by default); kernel files include no
 # torch header and stay C++17.
 CFLAGS = ("-O3", "-std=c++20")
+# libstdc++ named on the link line, so the shared one provides its symbols: on the H200
+# image the extension came out with no libstdc++.so dependency and its own copies of
+# libstdc++'s ostream instantiations, whose locale lookups crashed (SIGSEGV) the first
+# time an error message formatted an integer (tests/test_gdn_cuda.py
+# test_value_splits_argument_is_checked).
+LDFLAGS = ("-lstdc++",)
 
 _COMPILED_SUFFIXES = (".cu", ".cpp")
 _HASHED_SUFFIXES = (".cu", ".cpp", ".h", ".cuh")
@@ -105,6 +111,7 @@ def build_key(
     toolchain = {
         "cuda_cflags": list(cuda_cflags),
         "cflags": list(cflags),
+        "ldflags": list(LDFLAGS),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
         "nvcc": _nvcc_version(_nvcc()),
@@ -199,6 +206,7 @@ def _build_and_load(key: str) -> None:
             sources=[str(p) for p in compiled_files(csrc_dir())],
             extra_cflags=list(CFLAGS),
             extra_cuda_cflags=list(CUDA_CFLAGS),
+            extra_ldflags=list(LDFLAGS),
             build_directory=str(build_directory),
             is_python_module=False,
             verbose=os.environ.get("CAKE_OPS_VERBOSE_BUILD", "") not in ("", "0"),
