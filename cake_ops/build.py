@@ -37,12 +37,13 @@ CUDA_CFLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-l
 # since torch 2.10, what cpp_extension passes by default); kernel files include no
 # torch header and stay C++17.
 CFLAGS = ("-O3", "-std=c++20")
-# libstdc++ named on the link line, so the shared one provides its symbols: on the H200
-# image the extension came out with no libstdc++.so dependency and its own copies of
-# libstdc++'s ostream instantiations, whose locale lookups crashed (SIGSEGV) the first
-# time an error message formatted an integer (tests/test_gdn_cuda.py
-# test_value_splits_argument_is_checked).
-LDFLAGS = ("-lstdc++",)
+# The shared libstdc++ by its file name, ahead of torch's libraries: on the H200 image
+# the extension linked with plain -lstdc++ came out with no libstdc++.so dependency and
+# its own copies of libstdc++'s ostream code, whose locale lookups crashed (SIGSEGV) the
+# first time an error message formatted an integer (a -L directory of the link seems to
+# hold a static libstdc++.a, which -lstdc++ then finds first); tests/test_gdn_cuda.py
+# test_extension_argument_errors_raise.
+LDFLAGS = ("-l:libstdc++.so.6",)
 
 _COMPILED_SUFFIXES = (".cu", ".cpp")
 _HASHED_SUFFIXES = (".cu", ".cpp", ".h", ".cuh")
