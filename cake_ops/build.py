@@ -42,7 +42,7 @@ CFLAGS = ("-O3", "-std=c++20")
 # its own copies of libstdc++'s ostream code, whose locale lookups crashed (SIGSEGV) the
 # first time an error message formatted an integer (a -L directory of the link seems to
 # hold a static libstdc++.a, which -lstdc++ then finds first); tests/test_gdn_cuda.py
-# test_extension_argument_errors_raise.
+# test_build.py test_binding_rejects_bad_arguments_with_runtime_error.
 LDFLAGS = ("-l:libstdc++.so.6",)
 
 _COMPILED_SUFFIXES = (".cu", ".cpp")

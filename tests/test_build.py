@@ -186,6 +186,11 @@ def test_short_conv_fwd_cuda_graph_replays_new_documents():
 # segfault instead (cause not found yet; built as C++17 and as C++20 alike), so the call
 # runs in a child process. The public cake:: ops validate in Python first and never
 # reach these checks with bad input. strict: the marker must go once this is fixed.
+_GDN_ARGS = (
+    "q = torch.randn(10, 1, 128, device='cuda', dtype=torch.bfloat16)\n"
+    "g = -torch.rand(10, 1, device='cuda')\n"
+    "cu = torch.tensor([0, 10], device='cuda', dtype=torch.int32)\n"
+)
 _BAD_CALLS = {
     "short_conv_fwd width 5": (
         "x = torch.randn(7, 16, device='cuda', dtype=torch.bfloat16)\n"
@@ -201,11 +206,24 @@ _BAD_CALLS = {
         "ops.gdn_fwd(q, q, q, g, torch.rand_like(g), cu, None, 0.125, True, True)",
         "K = 128",
     ),
+    # Messages that format integers and sizes: with a static libstdc++ in the extension
+    # they crashed the process (build.LDFLAGS).
+    "gdn_fwd value_splits 3": (
+        _GDN_ARGS + "ops.gdn_fwd(q, q, q, g, torch.rand_like(g), cu, None, 0.125, True, True, -1, 3)",
+        "value_splits must be -1 (the plan's choice), 1 or 2, got 3",
+    ),
+    "gdn_fwd segment_chunks -5": (
+        _GDN_ARGS + "ops.gdn_fwd(q, q, q, g, torch.rand_like(g), cu, None, 0.125, True, True, -5)",
+        "or a cut grid in chunks, got -5",
+    ),
+    "gdn_fwd initial_state shape": (
+        _GDN_ARGS + "ops.gdn_fwd(q, q, q, g, torch.rand_like(g), cu, torch.zeros(2, 3, device='cuda'), 0.125, True, True)",
+        "initial_state must be [N, HV, K, V] = [1, 1, 128, 128], got [2, 3]",
+    ),
 }
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="a throwing TORCH_CHECK in the extension segfaults on the H200")
 @pytest.mark.parametrize("call", list(_BAD_CALLS))
 def test_binding_rejects_bad_arguments_with_runtime_error(call):
     code, message = _BAD_CALLS[call]
