@@ -181,11 +181,11 @@ def test_short_conv_fwd_cuda_graph_replays_new_documents():
     assert torch.equal(y_static.view(torch.int16), _fwd(fresh, True).view(torch.int16))
 
 
-# Bad arguments that reach the binding must raise RuntimeError. On the H200 (torch 2.11,
-# g++ 13) every TORCH_CHECK that throws inside the extension killed the process with a
-# segfault instead (cause not found yet; built as C++17 and as C++20 alike), so the call
-# runs in a child process. The public cake:: ops validate in Python first and never
-# reach these checks with bad input. strict: the marker must go once this is fixed.
+# Bad arguments that reach the binding must raise RuntimeError. Each call runs in a child
+# process: on the H200 (torch 2.11, g++ 13) a TORCH_CHECK message that formatted an
+# integer once killed the process with a segfault (a static libstdc++ copy in the
+# extension; build.LDFLAGS fixes it), and a crash must fail one case, not the session.
+# The public cake:: ops validate in Python first and never reach these checks with bad input.
 _GDN_ARGS = (
     "q = torch.randn(10, 1, 128, device='cuda', dtype=torch.bfloat16)\n"
     "g = -torch.rand(10, 1, device='cuda')\n"
