@@ -38,11 +38,11 @@ CUDA_CFLAGS = ("-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-l
 # torch header and stay C++17.
 CFLAGS = ("-O3", "-std=c++20")
 # The shared libstdc++ by its file name, ahead of torch's libraries: on the H200 image
-# the extension linked with plain -lstdc++ came out with no libstdc++.so dependency and
-# its own copies of libstdc++'s ostream code, whose locale lookups crashed (SIGSEGV) the
-# first time an error message formatted an integer (a -L directory of the link seems to
-# hold a static libstdc++.a, which -lstdc++ then finds first); tests/test_gdn_cuda.py
-# test_build.py test_binding_rejects_bad_arguments_with_runtime_error.
+# the extension linked without it (and with a plain -lstdc++) came out with no
+# libstdc++.so dependency and its own copies of libstdc++'s ostream code, whose locale
+# lookups crashed (SIGSEGV) the first time an error message formatted an integer; why
+# the link picked a static copy is not pinned down. Checked by tests/test_build.py
+# test_binding_rejects_bad_arguments_with_runtime_error.
 LDFLAGS = ("-l:libstdc++.so.6",)
 
 _COMPILED_SUFFIXES = (".cu", ".cpp")
