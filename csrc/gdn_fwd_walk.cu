@@ -12,7 +12,7 @@
 //     and runs the serial chain plus the output of its columns;
 // or, split by value columns (value_splits = 2, for shapes with fewer walks than half
 // the SMs), two CTAs per (segment, value head[, E or M]), each with one state warpgroup
-// for its half of the columns, and the aux warpgroup 1:
+// for its half of the columns and the aux warpgroup (then warpgroup 1);
 //   aux warpgroup 2: loads chunks ahead (cp.async, zero fill past the document end) into
 //     a ring of three stages, and per chunk forms what does not depend on the state:
 //     P~ = scale tril(Q K^T * e^(gcum_i - gcum_j)) (bf16) and the gate vectors
@@ -84,8 +84,10 @@ constexpr int kAuxRegs = kStateWgs == 2 ? 56 : 104;
 // setmaxnreg only moves registers within what the CTA got at launch (the launch bound's
 // cap per thread); asking for more makes the increasing warpgroups wait forever.
 template <int kStateWgs>
+constexpr int kLaunchRegs = std::min(255, 65536 / kWalkThreads<kStateWgs> / 8 * 8);  // per thread
+template <int kStateWgs>
 constexpr bool kRegistersFit =
-    kStateWgs * kStateRegs<kStateWgs> + kAuxRegs<kStateWgs> <= (kStateWgs + 1) * std::min(255, 65536 / kWalkThreads<kStateWgs> / 8 * 8);
+    kStateWgs * kStateRegs<kStateWgs> + kAuxRegs<kStateWgs> <= (kStateWgs + 1) * kLaunchRegs<kStateWgs>;
 static_assert(kRegistersFit<1> && kRegistersFit<2>, "register pool overcommitted");
 constexpr int kStages = 3;
 constexpr int kBV = 64;  // value columns per state warpgroup: its wgmma M
