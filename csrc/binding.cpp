@@ -279,11 +279,8 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
                              ? static_cast<int>(segment_chunks)
                              : gdn_fwd_choose_segment_chunks(s.T, s.N, s.HV, deterministic, sm_count);
   GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, seg_chunks);
-  const double walks = gdn_fwd_estimated_segments(s.T, s.N, seg_chunks) * static_cast<double>(s.HV);
-  const double summaries = 2.0 * gdn_fwd_estimated_inner_segments(s.T, s.N, seg_chunks) * static_cast<double>(s.HV);
-  c.args.walk_splits = value_splits > 0 ? static_cast<int>(value_splits) : gdn_fwd_choose_value_splits(walks, sm_count);
-  c.args.summary_splits =
-      value_splits > 0 ? static_cast<int>(value_splits) : gdn_fwd_choose_value_splits(summaries, sm_count);
+  if (value_splits > 0) c.args.walk_splits = c.args.summary_splits = static_cast<int>(value_splits);
+  else gdn_fwd_choose_value_splits(c.args, sm_count);
   const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(launch_err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(launch_err));
   return {c.o, c.final_state};

@@ -117,14 +117,11 @@ inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks) {
 constexpr int kGdnDetSegChunks = 64;
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count);
 
-// Value-column splits (1 or 2) of a walk launch of about `walks` (segment, value head[,
-// E or M]) CTAs: 2 where even split they fit in one wave (gdn_fwd_walk.cu). The result
-// does not depend on it, so the deterministic variant uses it too.
-int gdn_fwd_choose_value_splits(double walks, int sm_count);
-// About how many segments the documents have, and how many are not their document's
-// last, taking the documents as equally long (their lengths are on the device).
-double gdn_fwd_estimated_segments(int64_t T, int64_t N, int seg_chunks);
-double gdn_fwd_estimated_inner_segments(int64_t T, int64_t N, int seg_chunks);
+// The value-column splits of the walk and summary launches (args.walk_splits,
+// args.summary_splits) for args' shapes and cut grid: 2 where the split CTAs fit in one
+// wave of sm_count (gdn_fwd_walk.cu), else 1. The result does not depend on them, so the
+// deterministic variant uses them too.
+void gdn_fwd_choose_value_splits(GdnFwdArgs& args, int sm_count);
 
 // The whole forward: plan, prep, segment summaries and chain (if cut), walk. Returns
 // the first launch error.

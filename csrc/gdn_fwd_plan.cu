@@ -92,6 +92,9 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
   }
 }
 
+// 2 where a launch of about `ctas` CTAs fits in one wave of sm_count when split.
+int value_splits_for(double ctas, int sm_count) { return 2.0 * ctas <= sm_count ? 2 : 1; }
+
 }  // namespace
 
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
@@ -106,7 +109,7 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 // mamba gate. The walk: units of one length (whole documents) run in whole waves of
 // sm_count; cut pieces are ragged (a document's last is short), so they count in
 // fractional waves; a launch that fits in one wave when split by value columns
-// (gdn_fwd_choose_value_splits) takes kSplitStep of a step per chunk. Summaries: most cuts
+// (value_splits_for) takes kSplitStep of a step per chunk. Summaries: most cuts
 // are truncated (gdn_fwd.h) and cost a short walk each, about kSummaryWave per wave of
 // them; the exact ones (slow heads) walk E_s and M_s over the whole segment, about
 // kSummaryStep a chunk, alongside. The chain: kChainStep a segment. A cut plan must win by
@@ -117,7 +120,7 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
   constexpr double kSummaryWave = 6.5, kSummaryStep = 0.25, kChainStep = 0.9, kMargin = 0.85, kSplitStep = 0.66;
   const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
   const double walks = static_cast<double>(N * HV);
-  auto split = [&](double units) { return gdn_fwd_choose_value_splits(units, sm_count) == 2 ? kSplitStep : 1.0; };
+  auto split = [&](double ctas) { return value_splits_for(ctas, sm_count) == 2 ? kSplitStep : 1.0; };
   auto waves = [&](double units) { return std::ceil(units / sm_count); };
   auto ragged_waves = [&](double units) { return std::max(1.0, units / sm_count); };
   const double uncut = split(walks) * waves(walks) * chunks;
@@ -134,16 +137,16 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
   return best_g;
 }
 
-double gdn_fwd_estimated_segments(int64_t T, int64_t N, int seg_chunks) {
-  if (N <= 0 || T <= 0) return static_cast<double>(std::max<int64_t>(N, 0));
-  const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
-  return static_cast<double>(N) * (seg_chunks > 0 ? std::max(1.0, std::ceil(chunks / seg_chunks)) : 1.0);
+void gdn_fwd_choose_value_splits(GdnFwdArgs& a, int sm_count) {
+  // Segments per document, the documents taken as equally long (their lengths are on the device).
+  double segs = 1.0;
+  if (a.N > 0 && a.T > 0 && a.seg_chunks > 0) {
+    const double chunks = std::ceil(static_cast<double>(a.T) / kGdnChunk / static_cast<double>(a.N));
+    segs = std::max(1.0, std::ceil(chunks / a.seg_chunks));
+  }
+  const double walks = static_cast<double>(std::max<int64_t>(a.N, 0) * a.HV);
+  a.walk_splits = value_splits_for(walks * segs, sm_count);
+  a.summary_splits = value_splits_for(2.0 * walks * (segs - 1.0), sm_count);  // E and M of each inner segment
 }
-
-double gdn_fwd_estimated_inner_segments(int64_t T, int64_t N, int seg_chunks) {
-  return gdn_fwd_estimated_segments(T, N, seg_chunks) - static_cast<double>(std::max<int64_t>(N, 0));
-}
-
-int gdn_fwd_choose_value_splits(double walks, int sm_count) { return 2.0 * walks <= sm_count ? 2 : 1; }
 
 }  // namespace cake
