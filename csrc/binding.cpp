@@ -160,6 +160,10 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
   check_same_device(cu_seqlens, q, op, "cu_seqlens");
   const int64_t N = cu_seqlens.numel() - 1;
   TORCH_CHECK(T == 0 || N >= 1, op, ": ", T, " tokens need at least one document");
+  // The walk's TMA coordinates (token rows, chunk-slot tiles) are 32-bit.
+  TORCH_CHECK(T < (int64_t{1} << 31) - 64 && gdn_fwd_chunk_slots(T, N) * HV < (int64_t{1} << 31), op,
+              ": T = ", T, " tokens with N = ", N, " documents and HV = ", HV,
+              " value heads exceed the kernels' 32-bit token and tile coordinates");
   return {T, H, HV, N};
 }
 

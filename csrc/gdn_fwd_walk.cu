@@ -65,6 +65,7 @@
 #include "gdn_chunks.cuh"
 #include "gdn_fwd.h"
 #include "mma_sm80.cuh"
+#include "tma_sm90.cuh"
 #include "wgmma_sm90.cuh"
 
 namespace cake {
@@ -113,10 +114,13 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 constexpr float kLog2e = 1.4426950408889634f;
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+
+// The tensor maps of the walk's TMA loads (tma_sm90.cuh): q, k (or the normalised qn,
+// kn), v as [T][heads][128] in boxes of 64 tokens x 64 columns, and the A diag(beta)
+// workspace as [slot x HV][64][64] in whole tiles.
+struct WalkMaps {
+  CUtensorMap q, k, v, a;
+};
 
 // acc (a 64 x 64 accumulator, this thread's columns j = 8 jt + 2 t4 (+1)) times the
 // per-column factors f[j] (read where used: registers are the scarce resource here).
@@ -133,71 +137,80 @@ __device__ __forceinline__ void scale_columns(float (&acc)[32], const float* f, 
 
 // The aux warpgroup: loads two chunks ahead; P~ and gate vectors one chunk ahead.
 // Tokens seg_start .. seg_end - 1 (nch chunks from chunk slot first_slot); with_v = false
-// fills the V tiles with zeros instead. A split CTA (kStateWgs = 1) loads only the value
-// columns of its half vh.
+// leaves the V tiles zero instead. A split CTA (kStateWgs = 1) loads only the value
+// columns of its half vh. load_bar: the stages' load barriers (8 bytes each).
 template <bool kOutput, int kStateWgs>
-__device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int64_t hv, int64_t h,
-                                              int64_t seg_start, int64_t seg_end, int nch, int64_t first_slot,
-                                              bool with_v, int vh) {
+__device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMaps& maps, unsigned char* smem,
+                                              uint32_t load_bar, int hv, int h, int64_t seg_start, int64_t seg_end,
+                                              int nch, int64_t first_slot, bool with_v, int vh) {
   constexpr int kThreads = kWalkThreads<kStateWgs>;
   const int tid = threadIdx.x - 128 * kStateWgs, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // stmatrix: this lane's matrix and row
   const float scale = p.scale;
   const float log2_scale = log2f(scale);  // scale > 0 (cake_ops/gdn.py sends others to PyTorch)
-
-  // Thread tid copies 16-byte chunk lc of rows lr + 8 it of the q, k, v tiles and chunk
-  // ac of rows ar + 16 it of the A tile. Pointers at the document's first row.
-  const int lr = tid >> 4, lc = tid & 15;
-  const int ar = tid >> 3, ac = tid & 7;
-  // Row strides in elements as 32-bit values (H, HV < 2^24): one register each, not two
-  // (the aux warpgroup has 56).
-  const int qk_row = static_cast<int>(p.H) * kGdnHeadDim, v_row = static_cast<int>(p.HV) * kGdnHeadDim;
-  const __nv_bfloat16* qd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.qn : p.q) +
-                            (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* kd = static_cast<const __nv_bfloat16*>(p.use_qk_l2norm ? p.kn : p.k) +
-                            (seg_start + lr) * qk_row + h * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* vd = static_cast<const __nv_bfloat16*>(p.v) + (seg_start + lr) * v_row + hv * kGdnHeadDim + lc * 8;
-  const __nv_bfloat16* ad = static_cast<const __nv_bfloat16*>(p.a) + (first_slot * p.HV + hv) * 64 * 64 + ar * 64 + ac * 8;
-  const float* gd = p.gcum + (first_slot * p.HV + hv) * 64 + tid * 4;
-  const int qkv_off = wgmma::sw128_offset(64, lr, lc), a_off = wgmma::sw128_offset(64, ar, ac);
   const int seg_len = static_cast<int>(seg_end - seg_start);
-  const bool my_v = kStateWgs == 2 || lc >> 3 == vh;  // this thread's 16 bytes of the V rows are used
+  // The V columns loaded: both halves, or the split CTA's (column block vh of the tile).
+  constexpr int kVBytes = kStateWgs == 2 ? 2 * 64 * 64 * 2 : 64 * 64 * 2;
+  const uint32_t load_bytes = (kOutput ? 64 * kGdnHeadDim * 2 : 0) + 64 * kGdnHeadDim * 2 + (with_v ? kVBytes : 0) +
+                              64 * 64 * 2 + 64 * 4;
 
+  // One thread issues a chunk's loads (TMA, see tma_sm90.cuh): q, k and v rows from the
+  // segment's token row (rows past the tensor's end arrive as zeros; past the document's
+  // end, the next document's rows, zeroed below), this (slot, value head)'s A diag(beta)
+  // tile and gcum.
   auto issue_loads = [&](int c) {
     const int stage = c % kStages;
     if (c >= kStages) bar_sync(kBarEmpty + stage, kThreads);  // the state warpgroups are done with c - 3
-    const uint32_t st = mma::smem_addr(smem + stage * kStageBytes);
-    const int left = seg_len - c * kGdnChunk - lr;  // rows of this thread below `left` are real
-    const int64_t tok = static_cast<int64_t>(c) * kGdnChunk;
-    const __nv_bfloat16 *q = qd + tok * qk_row, *k = kd + tok * qk_row, *v = vd + tok * v_row;  // int64 products
+    if (tid != 0) return;
+    const uint32_t st = mma::smem_addr(smem + stage * kStageBytes), bar = load_bar + 8 * stage;
+    const int row = static_cast<int>(seg_start) + c * kGdnChunk;  // T < 2^31 (binding.cpp)
+    const int slot_head = static_cast<int>((first_slot + c) * p.HV + hv);  // NC * HV < 2^31 (binding.cpp)
+    tma::mbar_arrive_expect_tx(bar, load_bytes);
 #pragma unroll
-    for (int it = 0; it < 8; ++it) {
-      const bool ok = 8 * it < left;  // else nothing is read (zero fill) from a valid address
-      if constexpr (kOutput) mma::cp_async_16(st + kQOff + qkv_off + 1024 * it, ok ? q : qd, ok);
-      mma::cp_async_16(st + kKOff + qkv_off + 1024 * it, ok ? k : kd, ok);
-      if (my_v) mma::cp_async_16(st + kVOff + qkv_off + 1024 * it, ok ? v : vd, ok && with_v);  // M_s: v = 0
-      q += 8 * qk_row;
-      k += 8 * qk_row;
-      v += 8 * v_row;
+    for (int blk = 0; blk < 2; ++blk) {
+      if constexpr (kOutput) tma::load_box_3d(st + kQOff + 8192 * blk, &maps.q, 64 * blk, h, row, bar);
+      tma::load_box_3d(st + kKOff + 8192 * blk, &maps.k, 64 * blk, h, row, bar);
+      if (with_v && (kStateWgs == 2 || blk == vh)) tma::load_box_3d(st + kVOff + 8192 * blk, &maps.v, 64 * blk, hv, row, bar);
     }
-    const int64_t chunk_ofs = static_cast<int64_t>(c) * p.HV;
-#pragma unroll
-    for (int it = 0; it < 4; ++it) mma::cp_async_16(st + kAOff + a_off + 2048 * it, ad + chunk_ofs * 64 * 64 + 16 * 64 * it, true);
-    if (tid < 16) mma::cp_async_16(st + kGOff + tid * 16, gd + chunk_ofs * 64, true);
+    tma::load_box_3d(st + kAOff, &maps.a, 0, 0, slot_head, bar);
+    tma::load_bytes(st + kGOff, p.gcum + static_cast<int64_t>(slot_head) * 64, 64 * 4, bar);
   };
 
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kStages; ++s) tma::mbar_init(load_bar + 8 * s, 1);
+    tma::fence_mbar_init();
+  }
+  if (!with_v) {  // M_s: v = 0 in every stage, never loaded
+    for (int i = tid; i < kStages * 64 * 16; i += 128)  // 64 rows of 16 chunks a stage
+      *reinterpret_cast<uint4*>(smem + (i >> 10) * kStageBytes + kVOff + (i & 1023) * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  bar_sync(kBarAux, 128);  // the barriers are initialised (and the zeros written)
   if (nch > 0) issue_loads(0);
-  mma::cp_async_commit();
   if (nch > 1) issue_loads(1);
-  mma::cp_async_commit();
 
   for (int c = 0; c < nch; ++c) {
-    cp_async_wait<1>();          // this thread's copies of chunk c are in
-    wgmma::fence_proxy_async();  // cp.async wrote what wgmma reads
-    bar_sync(kBarAux, 128);      // ... and every aux thread's
-
+    tma::mbar_wait(load_bar + 8 * (c % kStages), (c / kStages) & 1);  // chunk c has landed
     unsigned char* st = smem + (c % kStages) * kStageBytes;
+
+    // A ragged chunk (the document's last): the rows past its end came from the next
+    // document (or are zeros past the tensor's end); zero them, so that a document's
+    // results never see another's values (they would only ever meet zero weights, but
+    // 0 * inf is NaN). Tiles of 64 rows, block (64 columns) after block.
+    const int len = seg_len - c * kGdnChunk;
+    if (len < kGdnChunk) {
+      for (int i = tid; i < (kGdnChunk - len) * 16; i += 128) {
+        const int r = len + (i >> 4), ch = i & 15;
+        const int off = wgmma::sw128_offset(64, r, ch);
+        const uint4 zero = make_uint4(0u, 0u, 0u, 0u);
+        if constexpr (kOutput) *reinterpret_cast<uint4*>(st + kQOff + off) = zero;
+        *reinterpret_cast<uint4*>(st + kKOff + off) = zero;
+        if (with_v && (kStateWgs == 2 || ch >> 3 == vh)) *reinterpret_cast<uint4*>(st + kVOff + off) = zero;
+      }
+      wgmma::fence_proxy_async();  // read by wgmma
+      bar_sync(kBarAux, 128);
+    }
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     float* gs = reinterpret_cast<float*>(st + kGOff);
 
@@ -263,7 +276,6 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
     // Then chunk c + 2, into the stage the state warpgroups free after chunk c - 1:
     // P~ of chunk c is ready before they ask for it.
     if (c + 2 < nch) issue_loads(c + 2);
-    mma::cp_async_commit();
   }
 }
 
@@ -272,8 +284,8 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, unsigned char
 // nullptr: zeros; identity: the K x K identity), to S_end (same layout, or transposed
 // when identity: M_s^T, the layout the chain reads).
 template <bool kOutput, int kStateWgs>
-__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, int wg, int vh,
-                                                int64_t hv, int64_t seg_start, int64_t doc_end, int nch,
+__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, uint32_t load_bar,
+                                                int wg, int vh, int64_t hv, int64_t seg_start, int64_t doc_end, int nch,
                                                 const float* S0, bool identity, float* S_end) {
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
@@ -307,6 +319,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
   for (int c = 0; c < nch; ++c) {
     const int stage = c % kStages;
     bar_sync(kBarFull + 7 * wg + stage, 256);  // chunk c, its P~ and gate vectors are in
+    tma::mbar_wait(load_bar + 8 * stage, (c / kStages) & 1);  // (done: orders the TMA writes for this thread)
     if (kStateWgs == 2 && c == 0 && wg == 1) bar_sync(kBarStagger, 256);
     unsigned char* st = smem + stage * kStageBytes;
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
@@ -410,17 +423,22 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     __syncwarp();
     const int64_t t0 = seg_start + static_cast<int64_t>(c) * kGdnChunk;
     const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
+    // All four rows read before any store: one shared-memory round trip, not four.
+    uint4 val[4];
+#pragma unroll
+    for (int it = 0; it < 4; ++it)
+      val[it] = *reinterpret_cast<const uint4*>(
+          st + kVOff + wgmma::sw128_offset(64, 16 * it + (lane >> 1), 8 * vh + 2 * warp + (lane & 1)));
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
-      const int row = 16 * it + (lane >> 1), ch = lane & 1;
-      if (row < len) {
-        const uint4 val =
-            *reinterpret_cast<const uint4*>(st + kVOff + wgmma::sw128_offset(64, row, 8 * vh + 2 * warp + ch));
-        *reinterpret_cast<uint4*>(og + ((t0 + row) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * ch) = val;
-      }
+      const int row = 16 * it + (lane >> 1);
+      if (row < len) mma::st_global_16(og + ((t0 + row) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * (lane & 1), val[it]);
     }
     }
-    if (c + kStages < nch) bar_arrive(kBarEmpty + stage, kWalkThreads<kStateWgs>);
+    if (c + kStages < nch) {
+      wgmma::fence_proxy_async();  // this stage's reads and writes precede the TMA loads into it
+      bar_arrive(kBarEmpty + stage, kWalkThreads<kStateWgs>);
+    }
   }
 
   // The end state (for an empty document: the initial state or zeros).
@@ -474,8 +492,10 @@ __device__ __forceinline__ int truncation_start(const float* decay, int64_t HV, 
 // share their loads of q, k and A in L2). CTAs past the real segments, and M of segment
 // 0 (whose start state is known), return at once.
 template <bool kOutput, int kStateWgs>
-__global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1) gdn_fwd_walk_kernel(const GdnFwdArgs p) {
+__global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1)
+    gdn_fwd_walk_kernel(const GdnFwdArgs p, const __grid_constant__ WalkMaps maps) {
   extern __shared__ unsigned char smem_raw[];
+  __shared__ __align__(8) uint64_t load_bar[kStages];
   unsigned char* smem = smem_raw + ((1024 - (mma::smem_addr(smem_raw) & 1023)) & 1023);
 
   constexpr int kKinds = kOutput ? 1 : 2, kHalves = 3 - kStateWgs;
@@ -514,23 +534,46 @@ __global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1) gdn_fwd_walk_kerne
   const int wg = threadIdx.x >> 7;
   if (wg == kStateWgs) {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs<kStateWgs>));
-    aux_warpgroup<kOutput, kStateWgs>(p, smem, hv, hv / (p.HV / p.H), seg_start, seg_end, nch,
+    aux_warpgroup<kOutput, kStateWgs>(p, maps, smem, mma::smem_addr(load_bar), static_cast<int>(hv),
+                                      static_cast<int>(hv / (p.HV / p.H)), seg_start, seg_end, nch,
                                       p.chunk_offsets[sp.doc] + c0, !transfer, half);
   } else {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
-    state_warpgroup<kOutput, kStateWgs>(p, smem, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : half, hv, seg_start, sp.doc_end, nch, S0,
+    state_warpgroup<kOutput, kStateWgs>(p, smem, mma::smem_addr(load_bar), kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : half, hv, seg_start, sp.doc_end, nch, S0,
                                         transfer, S_end);
   }
+}
+
+// The tensor maps for p's tensors (see WalkMaps): encoded on the host per call, passed
+// by value (so a captured CUDA graph replays them with the launch).
+cudaError_t encode_walk_maps(const GdnFwdArgs& p, WalkMaps& m) {
+  if (p.T == 0) {  // only empty documents: no chunk is loaded
+    m = WalkMaps{};
+    return cudaSuccess;
+  }
+  const void* q = p.use_qk_l2norm ? p.qn : p.q;
+  const void* k = p.use_qk_l2norm ? p.kn : p.k;
+  const uint64_t T = static_cast<uint64_t>(p.T), H = static_cast<uint64_t>(p.H), HV = static_cast<uint64_t>(p.HV);
+  const uint64_t row = kGdnHeadDim * 2;  // bytes of one head's row
+  cudaError_t err = tma::encode_bf16_3d(&m.q, q, kGdnHeadDim, H, T, row, H * row, 64, 1, kGdnChunk);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.k, k, kGdnHeadDim, H, T, row, H * row, 64, 1, kGdnChunk);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v, p.v, kGdnHeadDim, HV, T, row, HV * row, 64, 1, kGdnChunk);
+  const uint64_t tiles = static_cast<uint64_t>(gdn_fwd_chunk_slots(p.T, p.N)) * HV;
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.a, p.a, 64, 64, tiles, 128, 64 * 128, 64, 64, 1);
+  return err;
 }
 
 template <bool kOutput, int kStateWgs>
 cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t stream) {
   auto kernel = gdn_fwd_walk_kernel<kOutput, kStateWgs>;
-  const cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
   const int64_t blocks = items * p.HV * (kOutput ? 1 : 2) * (3 - kStateWgs);
   if (blocks == 0) return cudaSuccess;
-  kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kSmemBytes, stream>>>(p);
+  WalkMaps maps;
+  err = encode_walk_maps(p, maps);
+  if (err != cudaSuccess) return err;
+  kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kSmemBytes, stream>>>(p, maps);
   return cudaGetLastError();
 }
 
