@@ -13,8 +13,9 @@
 // or, split by value columns (value_splits = 2, for shapes with fewer walks than half
 // the SMs), two CTAs per (segment, value head[, E or M]), each with one state warpgroup
 // for its half of the columns and the aux warpgroup (then warpgroup 1);
-//   aux warpgroup 2: loads chunks ahead (cp.async, zero fill past the document end) into
-//     a ring of three stages, and per chunk forms what does not depend on the state:
+//   aux warpgroup 2: loads chunks ahead (TMA, one thread; rows past the document's end
+//     zeroed) into a ring of three stages, and per chunk forms what does not depend on
+//     the state:
 //     P~ = scale tril(Q K^T * e^(gcum_i - gcum_j)) (bf16) and the gate vectors
 //     e^gcum_j and e^(gl - gcum_j).
 // Per chunk, every product is a warpgroup MMA (wgmma, bf16 in, fp32 accumulate), B
@@ -34,6 +35,13 @@
 //   at 4-5 cycles each, measured with ncu). The aux warpgroup takes everything that does
 //   not need S, so the state warpgroups issue little more than their wgmmas, and
 //   setmaxnreg moves registers from the aux warpgroup (few live values) to them.
+// - Loads by TMA (tma_sm90.cuh): a chunk is 7-8 box loads and one 256-byte copy from one
+//   thread, completing on the stage's mbarrier. With 29 cp.async of 16 bytes a thread,
+//   issuing them took ~1400 of the aux's ~4700 cycles a chunk (clock stamps per phase,
+//   s64k_h16), on the critical path: the state warpgroups waited for the aux. With TMA
+//   the aux waits for them instead (walk 5-6 % faster). A box of a ragged chunk reads
+//   the next document's rows; the aux zeroes them in shared memory, so no other
+//   document's values ever enter (they would meet only zero weights, but 0 * inf = NaN).
 // - Stage handoff by named barriers: FULL[wg][s] (aux arrives once chunk c's tiles, P~
 //   and gate vectors are in stage s = c % 3; state warpgroup wg waits) and EMPTY[s] (the
 //   state warpgroups arrive when done with chunk c; the aux waits before loading chunk

@@ -296,6 +296,26 @@ def test_documents_are_isolated(ops):
     assert not torch.equal(o1[65:102], o2[65:102])
 
 
+@pytest.mark.parametrize("segment_chunks", [-1, 1], ids=["plan", "cut_every_chunk"])
+def test_non_finite_neighbours_do_not_leak(ops, segment_chunks):
+    """The walk's loads (TMA boxes of 64 rows) read past a ragged document's end into the
+    next document; those rows must count as zeros. With inf and NaN in the next document's
+    q, k and v, the first document's bits equal those it gets alone; uncut and cut."""
+    case = ("nan_next", [100, 64, 37], 1, 2, "slow", "uniform", torch.float32, True, True, torch.int32)
+    inp, l2 = _inputs(case, seed=7)
+    for n, bad in (("q", float("inf")), ("k", float("nan")), ("v", float("-inf"))):
+        x = inp[n].clone()
+        x[100:] = bad
+        inp[n] = x
+    o, ht = _call(ops, inp, l2, segment_chunks=segment_chunks)
+    alone = {n: inp[n][:100] for n in ("q", "k", "v", "g", "beta")}
+    alone["cu_seqlens"] = torch.tensor([0, 100], dtype=torch.int32, device="cuda")
+    alone["initial_state"] = inp["initial_state"][:1]
+    o_alone, h_alone = _call(ops, alone, l2, segment_chunks=segment_chunks)
+    assert torch.isfinite(o_alone).all() and torch.isfinite(h_alone).all()
+    assert torch.equal(o[:100], o_alone) and torch.equal(ht[:1], h_alone)
+
+
 def test_cuda_graph_replay_equals_eager(ops):
     case = ("graph", DOCS, 2, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
     static, l2 = _inputs(case, seed=7)
