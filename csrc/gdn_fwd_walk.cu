@@ -64,7 +64,12 @@
 //   round as the uncut walk would) minus Q, P~ and O; M_s's walk reads zeros for V.
 // - o is staged (stmatrix.trans) into the warp's own, consumed columns of the V tile and
 //   stored 16 bytes per lane, real token rows only: a ragged chunk never writes into the
-//   next document.
+//   next document. The staging and stores take ~1000 of a state warpgroup's ~4800 cycles
+//   a chunk, yet every way tried of taking them off its path was slower (walk, s64k_h16):
+//   stores after the next chunk's U/O issue +12-15 %, one TMA store per warpgroup with
+//   the stage released a chunk later +4 %, the aux storing the staged o +10 %. The SM's
+//   tensor, shared-memory and issue resources are shared by all three warpgroups; work
+//   moved between them has not shortened the step, work removed has (the TMA loads).
 
 #include <algorithm>
 
