@@ -1,0 +1,129 @@
+#!/usr/bin/env python
+"""A/B the CUDA sources of several revisions in one device call.
+
+Here (with git), export each revision's csrc/ into .ab/ (git-ignored):
+
+    python tools/ab_csrc.py export main try/p-one-product try/no-qkn
+
+There (the device, which gets the working tree without .git; carry ".ab"):
+
+    python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests]
+
+For each exported tree in the order given: its csrc/ is swapped in, built into
+$CAKE_OPS_CACHE (a key per tree), timed per kernel with tools/gdn_fwd_gpu_check.py
+--no-tests (deterministic and non-deterministic plans), and with --tests checked by
+tests/test_gdn_cuda.py; the checkout's own csrc/ is put back at the end, whatever
+happened. A table of each tree's kernel times per shape and plan closes the output,
+which also goes to $OUT/ab_csrc.log when $OUT is set. Trees are timed one after
+another, not interleaved: compare within one call only (the clock and the neighbours
+of the machine differ between calls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+AB = ROOT / ".ab"
+LINE = re.compile(r"^(\S+)\s+(det|nd)\s+kernels\s+([\d.]+) ms/call.*\[(.*)\]")
+
+
+def export(revs: list[str]) -> None:
+    if AB.exists():
+        shutil.rmtree(AB)
+    AB.mkdir()
+    names = []
+    for rev in revs:
+        name = re.sub(r"[^A-Za-z0-9_.-]", "_", rev)
+        dest = AB / name
+        dest.mkdir()
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "csrc"], check=True, capture_output=True)
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
+        sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
+                             text=True).stdout.strip()
+        names.append(f"{name} {sha}")
+    (AB / "order").write_text("\n".join(names) + "\n")
+    print(f"exported to {AB}: " + ", ".join(names) + '  (carry ".ab" to the device)')
+
+
+def run(shapes: str, tests: bool) -> int:
+    order = [line.split() for line in (AB / "order").read_text().splitlines() if line.strip()]
+    out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
+    log = open(out_dir / "ab_csrc.log", "w") if out_dir else None
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        if log:
+            log.write(text + "\n")
+            log.flush()
+
+    csrc = ROOT / "csrc"
+    saved = ROOT / ".ab" / "_checkout_csrc"
+    shutil.copytree(csrc, saved, dirs_exist_ok=False)
+    table: dict[tuple[str, str, str], str] = {}
+    failed = []
+    try:
+        for name, sha in order:
+            shutil.rmtree(csrc)
+            shutil.copytree(AB / name / "csrc", csrc)
+            say(f"===== {name} ({sha})")
+            build = subprocess.run([sys.executable, "-m", "cake_ops.build"], cwd=ROOT, capture_output=True, text=True)
+            say((build.stdout + build.stderr).strip().splitlines()[-1] if (build.stdout + build.stderr).strip() else "")
+            if build.returncode != 0:
+                failed.append(f"{name}: build")
+                say(build.stdout[-3000:] + build.stderr[-3000:])
+                continue
+            check = subprocess.run(
+                [sys.executable, "tools/gdn_fwd_gpu_check.py", "--no-tests", "--shapes", shapes],
+                cwd=ROOT, capture_output=True, text=True, timeout=300,
+            )
+            for line in check.stdout.splitlines():
+                m = LINE.match(line.strip())
+                if m:
+                    say(line.strip())
+                    table[(m.group(1), m.group(2), name)] = m.group(3) + "  [" + m.group(4).replace("F0 plan ", "") + "]"
+            if tests:
+                pytest = subprocess.run(
+                    [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gdn_cuda.py", "-p", "no:cacheprovider"],
+                    cwd=ROOT, capture_output=True, text=True, timeout=400,
+                )
+                say("tests: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
+                if pytest.returncode != 0:
+                    failed.append(f"{name}: tests")
+    finally:
+        shutil.rmtree(csrc)
+        shutil.copytree(saved, csrc)
+        shutil.rmtree(saved)
+    say("===== kernel ms per call (each tree: total  [per kernel])")
+    for shape, plan in sorted({(s, p) for s, p, _ in table}):
+        for name, _ in order:
+            if (shape, plan, name) in table:
+                say(f"{shape:10s} {plan:3s} {name:24s} {table[(shape, plan, name)]}")
+    if failed:
+        say("FAILED: " + ", ".join(failed))
+    return 1 if failed else 0
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    ex = sub.add_parser("export", help="export the csrc/ of each revision into .ab/ (needs git)")
+    ex.add_argument("revs", nargs="+")
+    rn = sub.add_parser("run", help="build, time (and test) each exported tree in turn (needs a Hopper GPU)")
+    rn.add_argument("--shapes", default="s64k_h16,s256k_h2,s32k_h16,s16k_long")
+    rn.add_argument("--tests", action="store_true", help="also run tests/test_gdn_cuda.py on each tree")
+    args = parser.parse_args()
+    if args.cmd == "export":
+        export(args.revs)
+        return 0
+    return run(args.shapes, args.tests)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
