@@ -7,7 +7,7 @@ Here (with git), export each revision's csrc/ into .ab/ (git-ignored):
 
 There (the device, which gets the working tree without .git; carry ".ab"):
 
-    python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests]
+    python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests] [--trees main,try_x]
 
 For each exported tree in the order given: its csrc/ is swapped in, built into
 $CAKE_OPS_CACHE (a key per tree), timed per kernel with tools/gdn_fwd_gpu_check.py
@@ -52,8 +52,14 @@ def export(revs: list[str]) -> None:
     print(f"exported to {AB}: " + ", ".join(names) + '  (carry ".ab" to the device)')
 
 
-def run(shapes: str, tests: bool) -> int:
+def run(shapes: str, tests: bool, trees: str | None) -> int:
     order = [line.split() for line in (AB / "order").read_text().splitlines() if line.strip()]
+    if trees:
+        wanted = trees.split(",")
+        unknown = [t for t in wanted if t not in {name for name, _ in order}]
+        if unknown:
+            raise SystemExit(f"--trees: not exported: {', '.join(unknown)} (have {', '.join(n for n, _ in order)})")
+        order = [entry for entry in order if entry[0] in wanted]
     out_dir = Path(os.environ["OUT"]) if os.environ.get("OUT") else None
     log = open(out_dir / "ab_csrc.log", "w") if out_dir else None
 
@@ -118,11 +124,12 @@ def main() -> int:
     rn = sub.add_parser("run", help="build, time (and test) each exported tree in turn (needs a Hopper GPU)")
     rn.add_argument("--shapes", default="s64k_h16,s256k_h2,s32k_h16,s16k_long")
     rn.add_argument("--tests", action="store_true", help="also run tests/test_gdn_cuda.py on each tree")
+    rn.add_argument("--trees", help="comma list of exported tree names (default: all, in export order)")
     args = parser.parse_args()
     if args.cmd == "export":
         export(args.revs)
         return 0
-    return run(args.shapes, args.tests)
+    return run(args.shapes, args.tests, args.trees)
 
 
 if __name__ == "__main__":
