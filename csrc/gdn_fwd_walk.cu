@@ -39,7 +39,7 @@
 //   thread, completing on the stage's mbarrier. With 29 cp.async of 16 bytes a thread,
 //   issuing them took ~1400 of the aux's ~4700 cycles a chunk (clock stamps per phase,
 //   s64k_h16), on the critical path: the state warpgroups waited for the aux. With TMA
-//   the aux waits for them instead (walk 5-6 % faster). A box of a ragged chunk reads
+//   the aux waits for them instead (walk about 5 % faster). A box of a ragged chunk reads
 //   the next document's rows; the aux zeroes them in shared memory, so no other
 //   document's values ever enter (they would meet only zero weights, but 0 * inf = NaN).
 // - Stage handoff by named barriers: FULL[wg][s] (aux arrives once chunk c's tiles, P~
