@@ -203,7 +203,6 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   const int64_t NC = gdn_fwd_chunk_slots(s.T, s.N);
   const int64_t NS = seg_chunks > 0 ? gdn_fwd_segment_slots(s.T, s.N, seg_chunks) : 0;
   constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
-  const int64_t qk_bytes = use_qk_l2norm ? s.T * s.H * kGdnHeadDim * 2 : 0;
   Carve ws;
   const int64_t chunk_offsets = ws.take((s.N + 1) * 4), seg_offsets = ws.take((s.N + 1) * 4);
   const int64_t seg_state = ws.take(NS * s.HV * kMatBytes), seg_transfer = ws.take(NS * s.HV * kMatBytes);
@@ -211,7 +210,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   c.a_offset = ws.take(NC * s.HV * 64 * 64 * 2);
   c.gcum_offset = ws.take(NC * s.HV * 64 * 4);
   c.chunk_decay_offset = ws.take(NC * s.HV * 4);
-  const int64_t qn = ws.take(qk_bytes), kn = ws.take(qk_bytes);
+  const int64_t qk_lrn = ws.take(use_qk_l2norm ? NC * s.H * 2 * 64 * 4 : 0);
   c.workspace = at::empty({ws.bytes}, q.options().dtype(at::kByte));
   unsigned char* base = static_cast<unsigned char*>(c.workspace.data_ptr());
   if (v != nullptr) {
@@ -235,8 +234,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.a = base + c.a_offset;
   a.gcum = reinterpret_cast<float*>(base + c.gcum_offset);
   a.chunk_decay = reinterpret_cast<float*>(base + c.chunk_decay_offset);
-  a.qn = use_qk_l2norm ? base + qn : nullptr;
-  a.kn = use_qk_l2norm ? base + kn : nullptr;
+  a.qk_lrn = use_qk_l2norm ? reinterpret_cast<float*>(base + qk_lrn) : nullptr;
   a.seg_offsets = reinterpret_cast<int32_t*>(base + seg_offsets);
   a.seg_state = NS > 0 ? reinterpret_cast<float*>(base + seg_state) : nullptr;
   a.seg_transfer = NS > 0 ? reinterpret_cast<float*>(base + seg_transfer) : nullptr;

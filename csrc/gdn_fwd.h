@@ -11,7 +11,9 @@ namespace cake {
 // Forward of the chunked gated delta rule over packed documents (DESIGN.md §1), for
 // head dims K = V = 128, chunk 64:
 //   plan (gdn_fwd_plan.cu): chunk and segment offsets of the documents (a scan over N).
-//   prep (gdn_fwd_prep.cu): per (chunk slot, q/k head): optional L2 norm of q and k,
+//   prep (gdn_fwd_prep.cu): per (chunk slot, q/k head): (with use_qk_l2norm, the rows'
+//        inverse norms of q and k, applied to K K^T in fp32 and stored for the walk; q and
+//        k are never written normalised),
 //        K K^T once for the G value heads, then per value head the chunk-local gate
 //        cumsum gcum and A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1,
 //        stored with beta folded in: a_ws = A diag(beta) (bf16).
@@ -49,7 +51,8 @@ namespace cake {
 //   chunk_decay    [NC, HV] fp32                 the chunk's log decay gcum[63] when every
 //                                                token's update I - beta k k^T is a contraction
 //                                                (0 <= beta |k|^2 <= 2), else +inf
-//   qn, kn         [T, H, 128] bf16              L2-normalised q, k (only if use_qk_l2norm)
+//   qk_lrn         [NC, H, 2, 64] fp32           log2 of the rows' inverse L2 norms,
+//                                                q then k (only if use_qk_l2norm)
 //   seg_offsets    [N + 1] int32                 first segment slot of each document
 //   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
 //   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
@@ -73,8 +76,7 @@ struct GdnFwdArgs {
   void* a;
   float* gcum;
   float* chunk_decay;
-  void* qn;
-  void* kn;
+  float* qk_lrn;
   int32_t* seg_offsets;
   float* seg_state;
   float* seg_transfer;
@@ -88,6 +90,7 @@ struct GdnFwdArgs {
 };
 
 constexpr int kGdnHeadDim = 128;
+constexpr float kL2NormEps = 1e-6f;  // use_qk_l2norm: x / sqrt(|x|^2 + eps), as the PyTorch path
 constexpr float kGdnTruncLogDecay = -20.f;  // a cut is truncated where the window's log decay is <= this
 
 inline int64_t gdn_fwd_chunk_slots(int64_t T, int64_t N) { return (T + 63) / 64 + N; }

@@ -1,13 +1,20 @@
 // Forward prep of the chunked gated delta rule (see gdn_fwd.h): per (chunk slot, q/k
-// head) the optional L2 norm of q and k, K K^T, and per value head
-// gcum, the chunk's certified log decay (chunk_decay) and the WY inverse A diag(beta).
+// head) K K^T (of the L2-normalised keys when asked: the raw product scaled by the row
+// norms in fp32) and the log2 inverse norms of the q and k rows for the walk, and per
+// value head gcum, the chunk's certified log decay (chunk_decay) and the WY inverse
+// A diag(beta). No normalised copy of q or k goes through HBM: the walk loads them raw
+// and applies the norms in fp32 (gdn_fwd_walk.cu).
 //
 // NOTES:
-// - Bytes: per (slot, q/k head) the CTA reads q, k (32 KB) and writes qn, kn (32 KB) and
-//   one 8 KB tile of A diag(beta) per value head: ~0.75 GB at s32k_h16, an HBM floor near
-//   0.18 ms. So q and k are requested together up front with cp.async (no registers held
-//   while they fly) and the gates are loaded under them; K K^T is parked in shared memory
-//   between value heads; <= 96 registers and 35 KB of shared memory give 5 CTAs (20 warps)
+// - Bytes: per (slot, q/k head) the CTA reads k (16 KB), with use_qk_l2norm q (16 KB, for
+//   its norms only: straight into registers) and writes one 8 KB tile of A diag(beta) per
+//   value head and 512 bytes of norms. Measured at s64k_h16 (ms, prep / walk): writing
+//   normalised bf16 copies of q and k for the walk 0.433 / 0.625; the norms from here
+//   0.397 / 0.642; the walk's aux forming the norms itself (no q read here) 0.340 / 0.763
+//   (the aux's chunk work lies on the path from a chunk's landing to the state
+//   warpgroups). k is requested up front with cp.async (no registers held while it
+//   flies), q and the gates are loaded under it; K K^T is parked in shared memory between
+//   value heads; <= 96 registers and 29 KB of shared memory give 5 CTAs (20 warps)
 //   per SM, so other CTAs' loads stay in flight while one CTA inverts.
 // - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
 //   G value heads; only the gating, beta and the inverse are per value head.
@@ -53,20 +60,19 @@ namespace cake {
 namespace {
 
 constexpr int kPrepThreads = 128;  // 4 warps; warp w owns rows 16w .. 16w+15 of the chunk
-constexpr int kPrepCtasPerSm = 5;  // <= 96 registers a thread (~35 KB of shared memory a CTA)
+constexpr int kPrepCtasPerSm = 5;  // <= 96 registers a thread (~29 KB of shared memory a CTA)
 constexpr int kGateHeads = 4;      // value heads whose gates are staged at once: one scan per warp
-constexpr float kL2NormEps = 1e-6f;
 constexpr float kLog2e = 1.4426950408889634f;
 
-// Shared memory of the prep CTA (bytes). The k and q tiles (bf16 64x128, swizzled) live
-// until K K^T is formed; then the q tile's space holds K K^T and the k tile's space the
-// tiles exchanged by the inverse and each warp's output staging.
+// Shared memory of the prep CTA (bytes). The k tile (bf16 64x128, swizzled) lives until
+// K K^T is formed; K K^T has its own space (warps park theirs while others still read k);
+// then the k tile's space holds the tiles exchanged by the inverse and each warp's output
+// staging.
 constexpr int kTileBytes = 64 * kGdnHeadDim * 2;
-constexpr int kSmemBytes = 2 * kTileBytes;
 constexpr int kKTile = 0;
-constexpr int kQTile = kTileBytes;
 constexpr int kFragBytes = 32 * 8 * 4;                 // one 16x16 fp32 tile, lane for lane
-constexpr int kKK = kQTile;                            // K K^T, block lower triangle: 10 tiles
+constexpr int kKK = kTileBytes;                        // K K^T, block lower triangle: 10 tiles
+constexpr int kSmemBytes = kKK + 10 * kFragBytes;
 constexpr int kDiagLd = 20;                            // fp32 row stride of an exchanged diagonal block
 constexpr int kDiagBytes = 16 * kDiagLd * 4;
 constexpr int kDiag = kKTile;                          // A_00, A_11, A_22
@@ -75,7 +81,6 @@ constexpr int kStageLd = 144;                          // bytes a staging row: 6
 constexpr int kStageBytes = 16 * kStageLd;             // per warp: its 16 rows of the bf16 output
 constexpr int kStage = kOff + 3 * kFragBytes;
 static_assert(kStage + 4 * kStageBytes <= kKTile + kTileBytes, "exchange and staging fit the k tile");
-static_assert(kKK + 10 * kFragBytes <= kSmemBytes, "K K^T fits the q tile");
 static_assert(kOff % 16 == 0 && kStage % 16 == 0, "16-byte fragments and staging chunks");
 
 // A 16x16 fp32 tile in the accumulator layout of mma.m16n8k8 as two 16x8 halves: t[h][e]
@@ -344,39 +349,60 @@ __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, u
   }
 }
 
-// The tile's rows scaled to unit L2 norm (fp32, rounded once to bf16), written to
-// `normed` (real rows only, one 16-byte store a lane: see st_global_16) and, if
-// write_back, into the tile.
 __device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-__device__ __forceinline__ void l2norm_rows(unsigned char* tile, __nv_bfloat16* normed, const ChunkPos& pos,
-                                            int64_t H, int h, bool write_back) {
+// Rows of a 64x128 bf16 tile in the norms' layout: 16 lanes a row (16 bytes each), 8 rows
+// a pass; raw[it] is row 8 it + tid / 16.
+using RowChunks = uint4[8];
+
+__device__ __forceinline__ void rows_from_smem(const unsigned char* tile, RowChunks& raw) {
   const int tid = threadIdx.x, c = tid & 15;
-  uint4 raw[8];
 #pragma unroll
   for (int it = 0; it < 8; ++it)
     raw[it] = *reinterpret_cast<const uint4*>(tile + swizzle_offset<16>(it * 8 + (tid >> 4), c));
+}
+
+// Straight from global memory (pad rows: zeros): q is read only for its norms.
+__device__ __forceinline__ void rows_from_global(const __nv_bfloat16* __restrict__ x, RowChunks& raw,
+                                                 const ChunkPos& pos, int64_t H, int h) {
+  const int tid = threadIdx.x, c = tid & 15;
 #pragma unroll
   for (int it = 0; it < 8; ++it) {
     const int r = it * 8 + (tid >> 4);
-    const float2 f[4] = {unpack_bf16(raw[it].x), unpack_bf16(raw[it].y), unpack_bf16(raw[it].z),
-                         unpack_bf16(raw[it].w)};
-    float ss = 0.f;
+    raw[it] = r < pos.len ? __ldg(reinterpret_cast<const uint4*>(x + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8))
+                          : make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
+// |x_r|^2 + eps of row 8 it + tid / 16 (fp32 sums of the bf16 values), in every lane of the row.
+__device__ __forceinline__ float row_sumsq(const uint4& w) {
+  const float2 f[4] = {unpack_bf16(w.x), unpack_bf16(w.y), unpack_bf16(w.z), unpack_bf16(w.w)};
+  float ss = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      ss = fmaf(f[e].x, f[e].x, ss);
-      ss = fmaf(f[e].y, f[e].y, ss);
+  for (int e = 0; e < 4; ++e) {
+    ss = fmaf(f[e].x, f[e].x, ss);
+    ss = fmaf(f[e].y, f[e].y, ss);
+  }
+  // The 16 lanes of a row are one aligned half-warp.
+#pragma unroll
+  for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  return ss + kL2NormEps;
+}
+
+// The tile's 64 rows: lrn[r] = log2(1 / sqrt(|x_r|^2 + eps)) (global, for the walk) and,
+// if rstd, rstd[r] = 1 / sqrt(|x_r|^2 + eps) (shared, for K K^T).
+__device__ __forceinline__ void row_norms(const RowChunks& raw, float* lrn, float* rstd) {
+  const int tid = threadIdx.x;
+#pragma unroll
+  for (int it = 0; it < 8; ++it) {
+    const float ss = row_sumsq(raw[it]);
+    if ((tid & 15) == 0) {
+      const int r = it * 8 + (tid >> 4);
+      lrn[r] = -0.5f * __log2f(ss);
+      if (rstd != nullptr) rstd[r] = rsqrtf(ss);
     }
-    // The 16 lanes of a row are one aligned half-warp.
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    const float rstd = rsqrtf(ss + kL2NormEps);
-    const uint4 out = make_uint4(mma::pack_bf16(f[0].x * rstd, f[0].y * rstd), mma::pack_bf16(f[1].x * rstd, f[1].y * rstd),
-                                 mma::pack_bf16(f[2].x * rstd, f[2].y * rstd), mma::pack_bf16(f[3].x * rstd, f[3].y * rstd));
-    if (r < pos.len) mma::st_global_16(normed + ((pos.t0 + r) * H + h) * kGdnHeadDim + c * 8, out);
-    if (write_back) *reinterpret_cast<uint4*>(tile + swizzle_offset<16>(r, c)) = out;
   }
 }
 
@@ -436,6 +462,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   __shared__ float s_gc[kGateHeads][64];
   __shared__ float s_beta[kGateHeads][64];
   __shared__ float s_knorm2[64];  // |k_i|^2, the diagonal of K K^T
+  __shared__ float s_rk[64];      // 1 / |k_i| (with use_qk_l2norm)
 
   const int H = static_cast<int>(p.H);  // head counts and the grid fit 32 bits: cheap division
   const int64_t slot = blockIdx.x / H;
@@ -449,23 +476,27 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: matrix index and row of this lane's address
   const int G = static_cast<int>(p.HV) / H;
 
-  // 1. k and q in flight together; the first value heads' gates meanwhile.
+  // 1. k in flight, q's rows (for their norms) and the first value heads' gates meanwhile.
   copy_rows(static_cast<const __nv_bfloat16*>(p.k), smem + kKTile, pos, p.H, h);
-  if (p.use_qk_l2norm) copy_rows(static_cast<const __nv_bfloat16*>(p.q), smem + kQTile, pos, p.H, h);
   mma::cp_async_commit();
+  RowChunks raw;
+  if (p.use_qk_l2norm) rows_from_global(static_cast<const __nv_bfloat16*>(p.q), raw, pos, p.H, h);
   load_gates(p, pos, slot, static_cast<int64_t>(h) * G, G < kGateHeads ? G : kGateHeads, s_gc, s_beta);
+
+  // 2. The rows' norms, when normalised: q's and k's for the walk; k's also for K K^T
+  //    (kn_i . kn_j = rk_i rk_j (k_i . k_j)).
+  float* lrn = p.use_qk_l2norm ? p.qk_lrn + (slot * p.H + h) * 128 : nullptr;
+  if (p.use_qk_l2norm) row_norms(raw, lrn, nullptr);
   mma::cp_async_wait_all();
   __syncthreads();
-
-  // 2. The L2 norms: kn (and k's tile for K K^T), qn.
   if (p.use_qk_l2norm) {
-    l2norm_rows(smem + kKTile, static_cast<__nv_bfloat16*>(p.kn), pos, p.H, h, true);
-    l2norm_rows(smem + kQTile, static_cast<__nv_bfloat16*>(p.qn), pos, p.H, h, false);
+    rows_from_smem(smem + kKTile, raw);
+    row_norms(raw, lrn + 64, s_rk);
     __syncthreads();
   }
 
-  // 3. K K^T, lower block triangle: warp w forms rows 16w.. for columns < 16w + 16 and
-  //    parks its tiles in the q tile's space (q is done).
+  // 3. K K^T, lower block triangle: warp w forms rows 16w.. for columns < 16w + 16,
+  //    scales them by the row norms (fp32) and parks them.
   {
     float kk[8][4];
 #pragma unroll
@@ -484,6 +515,15 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
           mma::mma_bf16(kk[2 * jp + 1], a, b[2], b[3]);
         }
       }
+    }
+    if (p.use_qk_l2norm) {
+      const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+      for (int jt = 0; jt < 8; ++jt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if ((jt >> 1) <= warp)
+            kk[jt][e] *= s_rk[16 * warp + gid + 8 * (e >> 1)] * s_rk[16 * (jt >> 1) + 8 * (jt & 1) + 2 * t4 + (e & 1)];
     }
     float4* s_kk = reinterpret_cast<float4*>(smem + kKK);
 #pragma unroll

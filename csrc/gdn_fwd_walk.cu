@@ -17,10 +17,12 @@
 //     zeroed) into a ring of three stages, and per chunk forms what does not depend on
 //     the state:
 //     P~ = scale tril(Q K^T * e^(gcum_i - gcum_j)) (bf16) and the gate vectors
-//     e^gcum_j and e^(gl - gcum_j).
+//     e^gcum_j and e^(gl - gcum_j); with use_qk_l2norm q and k arrive raw, with their
+//     rows' log2 inverse norms from the prep, which the aux folds into P~'s exponents
+//     and the gate vectors (fp32; no normalised bf16 copy of q or k exists).
 // Per chunk, every product is a warpgroup MMA (wgmma, bf16 in, fp32 accumulate), B
 // always from shared memory:
-//   P    = Q K^T                                   aux    SS  m64n32k128, two halves
+//   P    = Q K^T                                   aux    SS  m64n64k128
 //   U^T  = S^T K^T                                 state  RS  m64n64k128
 //   O^T  = S^T Q^T                                 state  RS  m64n64k128
 //   X    = (V^T - e^gcum * U^T) (A diag(beta))^T   state  RS  m64n64k64  (X = v_new^T)
@@ -88,13 +90,14 @@ namespace {
 // then the aux warpgroup.
 template <int kStateWgs>
 constexpr int kWalkThreads = 128 * (kStateWgs + 1);
-// setmaxnreg: 2 * 224 + 56 = 3 * 168, the launch allocation of the unsplit CTA (where both
-// are at the edge: one more live value spills); the split CTA has room to spare (and its
-// state warpgroup, which holds its half's index beside the warpgroup's, spills at 224).
+// setmaxnreg: 2 * 216 + 72 = 3 * 168, the launch allocation of the unsplit CTA (the aux
+// holds P~'s 64 x 64 accumulator, 32 registers; with the loads by TMA the state
+// warpgroups fit in 216); the split CTA has room to spare (and its state warpgroup, which
+// holds its half's index beside the warpgroup's, spills at 224).
 template <int kStateWgs>
-constexpr int kStateRegs = kStateWgs == 2 ? 224 : 240;
+constexpr int kStateRegs = kStateWgs == 2 ? 216 : 240;
 template <int kStateWgs>
-constexpr int kAuxRegs = kStateWgs == 2 ? 56 : 104;
+constexpr int kAuxRegs = kStateWgs == 2 ? 72 : 104;
 // setmaxnreg only moves registers within what the CTA got at launch (the launch bound's
 // cap per thread); asking for more makes the increasing warpgroups wait forever.
 template <int kStateWgs>
@@ -110,8 +113,17 @@ constexpr int kKOff = kQOff + 64 * kGdnHeadDim * 2;
 constexpr int kVOff = kKOff + 64 * kGdnHeadDim * 2;
 constexpr int kAOff = kVOff + 64 * kGdnHeadDim * 2;
 constexpr int kPOff = kAOff + 64 * 64 * 2;
-constexpr int kGOff = kPOff + 64 * 64 * 2;  // gcum, -e^gcum, e^(gl - gcum), scale e^gcum: 64 floats each
-constexpr int kStageBytes = kGOff + 1024;   // padded: every tile stays 1024-aligned
+// The stage's vectors (floats from kGOff): gcum, then the gate vectors in the form the
+// state warpgroups multiply with (each with the tokens' inverse norms folded in), the
+// log2 inverse norms of q and k rows (loaded with gcum; 0 without use_qk_l2norm), and e^gl.
+constexpr int kGOff = kPOff + 64 * 64 * 2;
+constexpr int kGDecayK = 64;   // -e^gcum_j / |k_j|
+constexpr int kGTailK = 128;   // e^(gl - gcum_j) / |k_j|
+constexpr int kGOutQ = 192;    // scale e^gcum_i / |q_i|
+constexpr int kGLogRq = 256;   // log2(1 / |q_i|) (0 without use_qk_l2norm)
+constexpr int kGLogRk = 320;   // log2(1 / |k_j|)
+constexpr int kGGamma = 384;   // e^gl
+constexpr int kStageBytes = kGOff + 2048;  // padded: every tile stays 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
 
 // Named barriers (0 is __syncthreads).
@@ -128,9 +140,9 @@ __device__ __forceinline__ void bar_arrive(int id, int threads) {
 }
 constexpr float kLog2e = 1.4426950408889634f;
 
-// The tensor maps of the walk's TMA loads (tma_sm90.cuh): q, k (or the normalised qn,
-// kn), v as [T][heads][128] in boxes of 64 tokens x 64 columns, and the A diag(beta)
-// workspace as [slot x HV][64][64] in whole tiles.
+// The tensor maps of the walk's TMA loads (tma_sm90.cuh): q, k, v as [T][heads][128] in
+// boxes of 64 tokens x 64 columns, and the A diag(beta) workspace as [slot x HV][64][64]
+// in whole tiles.
 struct WalkMaps {
   CUtensorMap q, k, v, a;
 };
@@ -166,12 +178,12 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMap
   // The V columns loaded: both halves, or the split CTA's (column block vh of the tile).
   constexpr int kVBytes = kStateWgs == 2 ? 2 * 64 * 64 * 2 : 64 * 64 * 2;
   const uint32_t load_bytes = (kOutput ? 64 * kGdnHeadDim * 2 : 0) + 64 * kGdnHeadDim * 2 + (with_v ? kVBytes : 0) +
-                              64 * 64 * 2 + 64 * 4;
+                              64 * 64 * 2 + 64 * 4 + (p.use_qk_l2norm ? 128 * 4 : 0);
 
   // One thread issues a chunk's loads (TMA, see tma_sm90.cuh): q, k and v rows from the
   // segment's token row (rows past the tensor's end arrive as zeros; past the document's
   // end, the next document's rows, zeroed below), this (slot, value head)'s A diag(beta)
-  // tile and gcum.
+  // tile, gcum and the rows' log2 inverse norms.
   auto issue_loads = [&](int c) {
     const int stage = c % kStages;
     if (c >= kStages) bar_sync(kBarEmpty + stage, kThreads);  // the state warpgroups are done with c - 3
@@ -188,6 +200,8 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMap
     }
     tma::load_box_3d(st + kAOff, &maps.a, 0, 0, slot_head, bar);
     tma::load_bytes(st + kGOff, p.gcum + static_cast<int64_t>(slot_head) * 64, 64 * 4, bar);
+    if (p.use_qk_l2norm)  // the log2 inverse norms of the q and k rows, contiguous as the stage keeps them
+      tma::load_bytes(st + kGOff + kGLogRq * 4, p.qk_lrn + ((first_slot + c) * p.H + h) * 128, 128 * 4, bar);
   };
 
   if (tid == 0) {
@@ -198,6 +212,10 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMap
   if (!with_v) {  // M_s: v = 0 in every stage, never loaded
     for (int i = tid; i < kStages * 64 * 16; i += 128)  // 64 rows of 16 chunks a stage
       *reinterpret_cast<uint4*>(smem + (i >> 10) * kStageBytes + kVOff + (i & 1023) * 16) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  if (!p.use_qk_l2norm) {  // unit norms: log2 1 = 0 in every stage, never loaded
+    for (int i = tid; i < kStages * 128; i += 128)
+      reinterpret_cast<float*>(smem + (i >> 7) * kStageBytes + kGOff)[kGLogRq + (i & 127)] = 0.f;
   }
   bar_sync(kBarAux, 128);  // the barriers are initialised (and the zeros written)
   if (nch > 0) issue_loads(0);
@@ -229,40 +247,43 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMap
 
     // Gate vectors for the state warpgroups, in the form they multiply with.
     if (tid < 64) {
-      const float gj = gs[tid], gl = gs[kGdnChunk - 1];
-      const float eg = __expf(gj);
-      gs[64 + tid] = -eg;
-      gs[128 + tid] = __expf(fminf(gl - gj, 0.f));
-      gs[192 + tid] = scale * eg;
+      const float gj = gs[tid], gl = gs[kGdnChunk - 1], lrk = gs[kGLogRk + tid];
+      gs[kGDecayK + tid] = -mma::exp2_ftz(fmaf(gj, kLog2e, lrk));
+      gs[kGTailK + tid] = mma::exp2_ftz(fmaf(fminf(gl - gj, 0.f), kLog2e, lrk));
+      gs[kGOutQ + tid] = mma::exp2_ftz(fmaf(gj, kLog2e, log2_scale + gs[kGLogRq + tid]));
+      if (tid == 0) gs[kGGamma] = mma::exp2_ftz(gl * kLog2e);
     }
 
-    // P~ in two halves of 32 columns j (this thread: rows i = 16 warp + gid (+8),
-    // columns j = 32 half + 8 jt + 2 t4 (+1)), as pq * 2^(r_i - c_j) with the row term
-    // r_i = gcum_i log2(e) + log2(scale) and the column term c_j = gcum_j log2(e), for
-    // every element, then masked by a select (2^(positive) may be inf above the diagonal).
+    // P~ as one product (q read once, one wait; this thread: rows i = 16 warp + gid (+8),
+    // columns j = 8 jt + 2 t4 (+1)), as pq * 2^(r_i - c_j) with the row term
+    // r_i = gcum_i log2(e) + log2(scale / |q_i|) and the column term
+    // c_j = gcum_j log2(e) - log2(1 / |k_j|), for every element, then masked by a select
+    // (2^(positive) may be inf above the diagonal).
     // Skipping the groups above the diagonal does not pay (warp 3 has none to skip, and
     // the aux warps meet every chunk) and costs registers.
-    float row_term[2];
+    if constexpr (kOutput) {
+      float pq[32];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) row_term[hh] = fmaf(gs[16 * warp + gid + 8 * hh], kLog2e, log2_scale);
-#pragma unroll
-    for (int half = 0; half < (kOutput ? 2 : 0); ++half) {
-      float pq[16];
-#pragma unroll
-      for (int i = 0; i < 16; ++i) pq[i] = 0.f;
+      for (int i = 0; i < 32; ++i) pq[i] = 0.f;
       wgmma::fence();
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks)
-        wgmma::mma_ss_m64n32k16(pq, wgmma::desc_k_major(sq, 64, ks), wgmma::desc_k_major(sk + 32 * 128 * half, 64, ks),
-                                ks > 0);
+        wgmma::mma_ss_m64n64k16(pq, wgmma::desc_k_major(sq, 64, ks), wgmma::desc_k_major(sk, 64, ks), ks > 0);
       wgmma::commit();
+      float row_term[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int i = 16 * warp + gid + 8 * hh;
+        row_term[hh] = fmaf(gs[i], kLog2e, log2_scale + gs[kGLogRq + i]);
+      }
       wgmma::wait<0>();
       wgmma::fence_operands(pq);
 #pragma unroll
-      for (int jt = 0; jt < 4; ++jt) {
-        const int j = 32 * half + 8 * jt + 2 * t4;
+      for (int jt = 0; jt < 8; ++jt) {
+        const int j = 8 * jt + 2 * t4;
         const float2 gj = *reinterpret_cast<const float2*>(gs + j);
-        const float c0 = gj.x * kLog2e, c1 = gj.y * kLog2e;
+        const float2 lk = *reinterpret_cast<const float2*>(gs + kGLogRk + j);
+        const float c0 = fmaf(gj.x, kLog2e, -lk.x), c1 = fmaf(gj.y, kLog2e, -lk.y);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const int i = 16 * warp + gid + 8 * hh;
@@ -274,11 +295,10 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMap
       }
       // The accumulator layout is the ldmatrix layout of 16x16 blocks: one stmatrix per block.
 #pragma unroll
-      for (int kb = 0; kb < 2; ++kb) {
+      for (int kb = 0; kb < 4; ++kb) {
         uint32_t r[4];
         wgmma::to_a_frag(r, pq, kb);
-        mma::stmatrix_x4(mma::smem_addr(st + kPOff) +
-                             wgmma::sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 4 * half + 2 * kb + (mi >> 1)),
+        mma::stmatrix_x4(mma::smem_addr(st + kPOff) + wgmma::sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 2 * kb + (mi >> 1)),
                          r);
       }
     }
@@ -372,7 +392,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
         // vfrag[r] holds the bf16 pair of accumulator elements i, i + 1 (to_a_frag):
         // tokens 8 (i / 4) + 2 t4 (+1), as in scale_columns.
         const int i = 8 * ks + 2 * r;
-        const float2 e = *reinterpret_cast<const float2*>(gs + 64 + 8 * (i >> 2) + 2 * t4);
+        const float2 e = *reinterpret_cast<const float2*>(gs + kGDecayK + 8 * (i >> 2) + 2 * t4);
         u[i] = fmaf(u[i], e.x, __uint_as_float(vfrag[r] << 16));
         u[i + 1] = fmaf(u[i + 1], e.y, __uint_as_float(vfrag[r] & 0xffff0000u));
       }
@@ -393,7 +413,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     if constexpr (kOutput) {
       wgmma::wait<1>();
       wgmma::fence_operands(o);
-      scale_columns(o, gs + 192, t4);
+      scale_columns(o, gs + kGOutQ, t4);
     }
     wgmma::wait<0>();
     wgmma::fence_operands(x);
@@ -403,11 +423,11 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     uint32_t xfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xfrag[ks], x, ks);
-    scale_columns(x, gs + 128, t4);
+    scale_columns(x, gs + kGTailK, t4);
     uint32_t xtfrag[4][4];
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xtfrag[ks], x, ks);
-    const float gamma = -gs[64 + kGdnChunk - 1];  // e^gl
+    const float gamma = gs[kGGamma];  // e^gl
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] *= gamma;
     wgmma::fence();
@@ -564,8 +584,8 @@ cudaError_t encode_walk_maps(const GdnFwdArgs& p, WalkMaps& m) {
     m = WalkMaps{};
     return cudaSuccess;
   }
-  const void* q = p.use_qk_l2norm ? p.qn : p.q;
-  const void* k = p.use_qk_l2norm ? p.kn : p.k;
+  const void* q = p.q;
+  const void* k = p.k;
   const uint64_t T = static_cast<uint64_t>(p.T), H = static_cast<uint64_t>(p.H), HV = static_cast<uint64_t>(p.HV);
   const uint64_t row = kGdnHeadDim * 2;  // bytes of one head's row
   cudaError_t err = tma::encode_bf16_3d(&m.q, q, kGdnHeadDim, H, T, row, H * row, 64, 1, kGdnChunk);
