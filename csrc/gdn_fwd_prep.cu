@@ -15,7 +15,11 @@
 //   warpgroups). k is requested up front with cp.async (no registers held while it
 //   flies), q and the gates are loaded under it; K K^T is parked in shared memory between
 //   value heads; <= 96 registers and 29 KB of shared memory give 5 CTAs (20 warps)
-//   per SM, so other CTAs' loads stay in flight while one CTA inverts.
+//   per SM, so other CTAs' loads stay in flight while one CTA inverts. Warming L2 with
+//   the rows of the CTA that starts when this one ends (bulk prefetch, branch
+//   try/prep-prefetch) made the prep 7-11 % slower: its time is not the loads' latency
+//   (ncu at s64k_h16: DRAM 33 % busy, issue 61 %, 17 % of stall samples at the inverse's
+//   round barriers).
 // - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
 //   G value heads; only the gating, beta and the inverse are per value head.
 // - The inverse A = (I + L)^-1 is blocked 16x16, warp w owning block row w (the rows of

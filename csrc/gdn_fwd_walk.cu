@@ -72,6 +72,10 @@
 //   the stage released a chunk later +4 %, the aux storing the staged o +10 %. The SM's
 //   tensor, shared-memory and issue resources are shared by all three warpgroups; work
 //   moved between them has not shortened the step, work removed has (the TMA loads).
+// - Nor is the step the loads' latency: warming L2 with chunk c + 4 when loading c + 2
+//   (TMA tensor prefetch, branch try/walk-prefetch) made the walk 5-9 % slower. What
+//   the aux adds per chunk does show: forming the q/k norms here cost 27 %, folding the
+//   prep's norms in 3 % (ncu at s64k_h16: DRAM 49 % busy at ncu's clocks, issue 41 %).
 
 #include <algorithm>
 
