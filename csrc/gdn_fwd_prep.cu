@@ -12,7 +12,10 @@
 //   normalised bf16 copies of q and k for the walk 0.433 / 0.625; the norms from here
 //   0.397 / 0.642; the walk's aux forming the norms itself (no q read here) 0.340 / 0.763
 //   (the aux's chunk work lies on the path from a chunk's landing to the state
-//   warpgroups). k is requested up front with cp.async (no registers held while it
+//   warpgroups). An earlier form of these norms (d521d1f: factors per value head in the
+//   gates workspace, the walk on per-thread cp.async) was 1 % slower net and reverted;
+//   this one (per q/k head, one 512-byte TMA copy beside gcum) measured 0.8-2.5 % faster
+//   net, side by side with the same walk otherwise (tools/ab_csrc.py). k is requested up front with cp.async (no registers held while it
 //   flies), q and the gates are loaded under it; K K^T is parked in shared memory between
 //   value heads; <= 96 registers and 29 KB of shared memory give 5 CTAs (20 warps)
 //   per SM, so other CTAs' loads stay in flight while one CTA inverts. Warming L2 with

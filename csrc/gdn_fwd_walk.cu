@@ -588,12 +588,10 @@ cudaError_t encode_walk_maps(const GdnFwdArgs& p, WalkMaps& m) {
     m = WalkMaps{};
     return cudaSuccess;
   }
-  const void* q = p.q;
-  const void* k = p.k;
   const uint64_t T = static_cast<uint64_t>(p.T), H = static_cast<uint64_t>(p.H), HV = static_cast<uint64_t>(p.HV);
   const uint64_t row = kGdnHeadDim * 2;  // bytes of one head's row
-  cudaError_t err = tma::encode_bf16_3d(&m.q, q, kGdnHeadDim, H, T, row, H * row, 64, 1, kGdnChunk);
-  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.k, k, kGdnHeadDim, H, T, row, H * row, 64, 1, kGdnChunk);
+  cudaError_t err = tma::encode_bf16_3d(&m.q, p.q, kGdnHeadDim, H, T, row, H * row, 64, 1, kGdnChunk);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.k, p.k, kGdnHeadDim, H, T, row, H * row, 64, 1, kGdnChunk);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v, p.v, kGdnHeadDim, HV, T, row, HV * row, 64, 1, kGdnChunk);
   const uint64_t tiles = static_cast<uint64_t>(gdn_fwd_chunk_slots(p.T, p.N)) * HV;
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.a, p.a, 64, 64, tiles, 128, 64 * 128, 64, 64, 1);
