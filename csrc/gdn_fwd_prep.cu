@@ -22,7 +22,9 @@
 //   the rows of the CTA that starts when this one ends (bulk prefetch, branch
 //   try/prep-prefetch) made the prep 7-11 % slower: its time is not the loads' latency
 //   (ncu at s64k_h16: DRAM 33 % busy, issue 61 %, 17 % of stall samples at the inverse's
-//   round barriers).
+//   round barriers). Nor is it the chunk lookup: a shared-memory sample of the chunk
+//   offsets in place of find_chunk's chain of dependent loads (try/prep-find-smem) made
+//   it 1.5 % slower.
 // - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
 //   G value heads; only the gating, beta and the inverse are per value head.
 // - The inverse A = (I + L)^-1 is blocked 16x16, warp w owning block row w (the rows of

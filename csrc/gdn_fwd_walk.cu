@@ -76,6 +76,17 @@
 //   (TMA tensor prefetch, branch try/walk-prefetch) made the walk 5-9 % slower. What
 //   the aux adds per chunk does show: forming the q/k norms here cost 27 %, folding the
 //   prep's norms in 3 % (ncu at s64k_h16: DRAM 49 % busy at ncu's clocks, issue 41 %).
+// - When the aux works matters more than how much (walk ms at s64k_h16, this code 0.637
+//   in the same call, tools/ab_csrc.py): empty stages as mbarriers with the aux forming
+//   P~ of each chunk as soon as it lands, no longer after waiting for the later state
+//   warpgroup to free a stage (branch try/lazy-loads), 0.73 (+15 %); on top of that,
+//   S^T held up to a scale 2^L so that the state warpgroups skip the e^gl multiply
+//   (try/lazy-oax-lambda) +5 % more; P~'s decay as row x column factors, 128
+//   exponentials a chunk instead of 4096 but a warpgroup vote (try/p-separable), 0.671.
+//   O^T issued behind X (try/o-after-x) was -1.5 % here and +1.7 % at s32k_h16: not
+//   taken. A reading, not measured: the aux's P~ product now lands while warpgroup 1
+//   stages its o (no tensor work), and anything that moves it onto the chain's products
+//   costs more than the work saved.
 
 #include <algorithm>
 
