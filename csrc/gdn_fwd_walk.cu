@@ -49,10 +49,14 @@
 //   state warpgroups arrive when done with chunk c; the aux waits before loading chunk
 //   c + 3 into it). Arrivals are only made where a wait will consume them.
 // - One FULL barrier per state warpgroup, and warpgroup 1 starting once warpgroup 0 has
-//   issued its first X: with one shared FULL the two ran in lock step, issuing their
-//   wgmmas and their conversions at the same times, and the tensor cores idled during
-//   both conversions; staggered, one's conversions overlap the other's wgmmas (walk 3 %
-//   faster, tools/gdn_fwd_gpu_check.py).
+//   issued its first state update: with one shared FULL the two ran in lock step,
+//   issuing their wgmmas and their conversions at the same times, and the tensor cores
+//   idled during both conversions; staggered, one's conversions overlap the other's
+//   wgmmas (walk 3 % faster, tools/gdn_fwd_gpu_check.py). Where in warpgroup 0's first
+//   chunk warpgroup 1 starts (walk ms, s64k_h16 / s256k_h2 / s32k_h16, one call of
+//   tools/ab_csrc.py): after its U and O 0.626 / 0.470 / 0.475; after its X 0.650 /
+//   0.480 / 0.480; after its state update 0.617 / 0.463 / 0.469; after its whole
+//   chunk 0.623 / 0.466 / 0.471.
 // - Value columns never mix (every product contracts over the head dim or over tokens),
 //   so a value column's result is the same instruction sequence whichever warpgroup, and
 //   whichever CTA, runs it: the split is free to depend on the SM count in either mode.
@@ -145,7 +149,7 @@ constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align th
 constexpr int kBarFull = 1;      // + 7 wg + stage: one per state warpgroup (1..3, 8..10)
 constexpr int kBarEmpty = 4;     // + stage
 constexpr int kBarAux = 7;       // the aux warpgroup alone
-constexpr int kBarStagger = 11;  // warpgroup 1 starts once warpgroup 0 has issued its first X
+constexpr int kBarStagger = 11;  // warpgroup 1 starts once warpgroup 0 has issued its first state update
 
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -340,6 +344,11 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix/stmatrix: this lane's matrix and row
   const int v0 = vh * kBV;
   __nv_bfloat16* og = static_cast<__nv_bfloat16*>(p.o);
+  // S_end waits in shared memory for the end of the walk: held in registers across the
+  // loop it is spilled (the loop needs them all). Every thread of the warpgroup writes
+  // the same value and reads back its own write.
+  __shared__ float* parked_end[kStateWgs];
+  parked_end[wg] = S_end;
 
   // S^T accumulator: s[4 nt + e] is value column `col` (+8 for e >= 2), head dim 8 nt + 2 t4 + (e & 1).
   const int col = v0 + 16 * warp + gid;
@@ -422,7 +431,6 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
     wgmma::commit();
-    if (kStateWgs == 2 && c == 0 && wg == 0) bar_arrive(kBarStagger, 256);
 
     // (3) O^T columns (tokens i) scaled by scale e^gcum_i, once group 2 is done.
     if constexpr (kOutput) {
@@ -450,6 +458,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
     for (int ks = 0; ks < 4; ++ks)
       wgmma::mma_rs_m64n128k16<1>(s, xtfrag[ks], wgmma::desc_mn_major(sk, 64, ks), 1);
     wgmma::commit();
+    if (kStateWgs == 2 && c == 0 && wg == 0) bar_arrive(kBarStagger, 256);
     if constexpr (kOutput) {
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(o, xfrag[ks], wgmma::desc_k_major(sp, 64, ks), 1);
@@ -490,6 +499,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
   }
 
   // The end state (for an empty document: the initial state or zeros).
+  S_end = parked_end[wg];
   if (S_end == nullptr) return;
   if (identity) {  // M_s^T: row col, pairs of adjacent head dims
 #pragma unroll
