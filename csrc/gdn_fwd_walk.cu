@@ -54,9 +54,9 @@
 //   idled during both conversions; staggered, one's conversions overlap the other's
 //   wgmmas (walk 3 % faster, tools/gdn_fwd_gpu_check.py). Where in warpgroup 0's first
 //   chunk warpgroup 1 starts (walk ms, s64k_h16 / s256k_h2 / s32k_h16, one call of
-//   tools/ab_csrc.py): after its U and O 0.626 / 0.470 / 0.475; after its X 0.650 /
-//   0.480 / 0.480; after its state update 0.617 / 0.463 / 0.469; after its whole
-//   chunk 0.623 / 0.466 / 0.471.
+//   tools/ab_csrc.py, S_end then still spilled outside the loop): after its U and O
+//   0.626 / 0.470 / 0.475; after its X 0.650 / 0.480 / 0.480; after its state update
+//   0.617 / 0.463 / 0.469; after its whole chunk 0.623 / 0.466 / 0.471.
 // - Value columns never mix (every product contracts over the head dim or over tokens),
 //   so a value column's result is the same instruction sequence whichever warpgroup, and
 //   whichever CTA, runs it: the split is free to depend on the SM count in either mode.
@@ -80,10 +80,11 @@
 //   (TMA tensor prefetch, branch try/walk-prefetch) made the walk 5-9 % slower. What
 //   the aux adds per chunk does show: forming the q/k norms here cost 27 %, folding the
 //   prep's norms in 3 % (ncu at s64k_h16: DRAM 49 % busy at ncu's clocks, issue 41 %).
-// - When the aux works matters more than how much (walk ms at s64k_h16, this code 0.637
-//   in the same call, tools/ab_csrc.py): empty stages as mbarriers with the aux forming
-//   P~ of each chunk as soon as it lands, no longer after waiting for the later state
-//   warpgroup to free a stage (branch try/lazy-loads), 0.73 (+15 %); on top of that,
+// - When the aux works matters more than how much (walk ms at s64k_h16, against 0.637
+//   for this code with warpgroup 1 then starting at X, in the same call of
+//   tools/ab_csrc.py): empty stages as mbarriers with the aux forming P~ of each chunk
+//   as soon as it lands, no longer after waiting for the later state warpgroup to free
+//   a stage (branch try/lazy-loads), 0.73 (+15 %); on top of that,
 //   S^T held up to a scale 2^L so that the state warpgroups skip the e^gl multiply
 //   (try/lazy-oax-lambda) +5 % more; P~'s decay as row x column factors, 128
 //   exponentials a chunk instead of 4096 but a warpgroup vote (try/p-separable), 0.671.
