@@ -7,7 +7,7 @@ Here (with git), export each revision's csrc/ into .ab/ (git-ignored):
 
 There (the device, which gets the working tree without .git; carry ".ab"):
 
-    python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests] [--trees main,try_x]
+    python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests] [--trees main,try_x] [--rounds 2]
 
 For each exported tree in the order given: its csrc/ is swapped in, built into
 $CAKE_OPS_CACHE (a key per tree), timed per kernel with tools/gdn_fwd_gpu_check.py
@@ -15,8 +15,11 @@ $CAKE_OPS_CACHE (a key per tree), timed per kernel with tools/gdn_fwd_gpu_check.
 tests/test_gdn_cuda.py; the checkout's own csrc/ is put back at the end, whatever
 happened. A table of each tree's kernel times per shape and plan closes the output,
 which also goes to $OUT/ab_csrc.log when $OUT is set. Trees are timed one after
-another, not interleaved: compare within one call only (the clock and the neighbours
-of the machine differ between calls).
+another; with --rounds R the order is palindromic (A B C, C B A, A B C, ...; each tree
+built once, tested on its first visit) and the table gives each tree's mean over the
+rounds with the per-round totals: the first tree timed in a call has read 2 % slow
+against its usual time. Compare within one call only (the clock and the neighbours of
+the machine differ between calls).
 """
 
 from __future__ import annotations
@@ -32,6 +35,21 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 AB = ROOT / ".ab"
 LINE = re.compile(r"^(\S+)\s+(det|nd)\s+kernels\s+([\d.]+) ms/call.*\[(.*)\]")
+KERNEL = re.compile(r"F\d+ (\w+) ([\d.]+)")
+
+
+def summarize(samples: list[str]) -> str:
+    """One table cell from a tree's timings of one (shape, plan), one bracket per round
+    ("F0 plan 0.002  F1 prep 0.394  ..."): the mean total and per-kernel means, then
+    the per-round totals when there are several."""
+    rounds = [{name: float(ms) for name, ms in KERNEL.findall(sample)} for sample in samples]
+    totals = [sum(r.values()) for r in rounds]
+    names = list(rounds[0])
+    means = {n: sum(r.get(n, 0.0) for r in rounds) / len(rounds) for n in names}
+    cell = f"{sum(totals) / len(totals):.3f}  [" + "  ".join(f"{n} {means[n]:.3f}" for n in names) + "]"
+    if len(samples) > 1:
+        cell += "  rounds " + " ".join(f"{t:.3f}" for t in totals)
+    return cell
 
 
 def export(revs: list[str]) -> None:
@@ -52,7 +70,7 @@ def export(revs: list[str]) -> None:
     print(f"exported to {AB}: " + ", ".join(names) + '  (carry ".ab" to the device)')
 
 
-def run(shapes: str, tests: bool, trees: str | None) -> int:
+def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
     order = [line.split() for line in (AB / "order").read_text().splitlines() if line.strip()]
     if trees:
         wanted = trees.split(",")
@@ -72,10 +90,16 @@ def run(shapes: str, tests: bool, trees: str | None) -> int:
     csrc = ROOT / "csrc"
     saved = ROOT / ".ab" / "_checkout_csrc"
     shutil.copytree(csrc, saved, dirs_exist_ok=False)
-    table: dict[tuple[str, str, str], str] = {}
-    failed = []
+    samples: dict[tuple[str, str, str], list[str]] = {}
+    failed: list[str] = []
+    visits = [entry for r in range(rounds) for entry in (order if r % 2 == 0 else order[::-1])]
+    seen: set[str] = set()
     try:
-        for name, sha in order:
+        for name, sha in visits:
+            if any(f.startswith(name + ":") for f in failed):
+                continue
+            first = name not in seen
+            seen.add(name)
             shutil.rmtree(csrc)
             shutil.copytree(AB / name / "csrc", csrc)
             say(f"===== {name} ({sha})")
@@ -93,8 +117,8 @@ def run(shapes: str, tests: bool, trees: str | None) -> int:
                 m = LINE.match(line.strip())
                 if m:
                     say(line.strip())
-                    table[(m.group(1), m.group(2), name)] = m.group(3) + "  [" + m.group(4).replace("F0 plan ", "") + "]"
-            if tests:
+                    samples.setdefault((m.group(1), m.group(2), name), []).append(m.group(4))
+            if tests and first:
                 pytest = subprocess.run(
                     [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gdn_cuda.py", "-p", "no:cacheprovider"],
                     cwd=ROOT, capture_output=True, text=True, timeout=400,
@@ -106,11 +130,11 @@ def run(shapes: str, tests: bool, trees: str | None) -> int:
         shutil.rmtree(csrc)
         shutil.copytree(saved, csrc)
         shutil.rmtree(saved)
-    say("===== kernel ms per call (each tree: total  [per kernel])")
-    for shape, plan in sorted({(s, p) for s, p, _ in table}):
+    say("===== kernel ms per call (each tree: total  [per kernel]" + ("  rounds" if rounds > 1 else "") + ")")
+    for shape, plan in sorted({(s, p) for s, p, _ in samples}):
         for name, _ in order:
-            if (shape, plan, name) in table:
-                say(f"{shape:10s} {plan:3s} {name:24s} {table[(shape, plan, name)]}")
+            if (shape, plan, name) in samples:
+                say(f"{shape:10s} {plan:3s} {name:24s} {summarize(samples[(shape, plan, name)])}")
     if failed:
         say("FAILED: " + ", ".join(failed))
     return 1 if failed else 0
@@ -125,11 +149,14 @@ def main() -> int:
     rn.add_argument("--shapes", default="s64k_h16,s256k_h2,s32k_h16,s16k_long")
     rn.add_argument("--tests", action="store_true", help="also run tests/test_gdn_cuda.py on each tree")
     rn.add_argument("--trees", help="comma list of exported tree names (default: all, in export order)")
+    rn.add_argument("--rounds", type=int, default=1, help="time the trees this many times, in palindromic order")
     args = parser.parse_args()
     if args.cmd == "export":
         export(args.revs)
         return 0
-    return run(args.shapes, args.tests, args.trees)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    return run(args.shapes, args.tests, args.trees, args.rounds)
 
 
 if __name__ == "__main__":
