@@ -385,8 +385,8 @@ __device__ __forceinline__ void rows_from_global(const __nv_bfloat16* __restrict
   }
 }
 
-// |x_r|^2 + eps of row 8 it + tid / 16 (fp32 sums of the bf16 values), in every lane of the row.
-__device__ __forceinline__ float row_sumsq(const uint4& w) {
+// This lane's part of |x_r|^2 for row 8 it + tid / 16: its 8 values (fp32 FMAs of the bf16 values).
+__device__ __forceinline__ float lane_sumsq(const uint4& w) {
   const float2 f[4] = {unpack_bf16(w.x), unpack_bf16(w.y), unpack_bf16(w.z), unpack_bf16(w.w)};
   float ss = 0.f;
 #pragma unroll
@@ -394,24 +394,35 @@ __device__ __forceinline__ float row_sumsq(const uint4& w) {
     ss = fmaf(f[e].x, f[e].x, ss);
     ss = fmaf(f[e].y, f[e].y, ss);
   }
-  // The 16 lanes of a row are one aligned half-warp.
-#pragma unroll
-  for (int o = 8; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-  return ss + kL2NormEps;
+  return ss;
 }
 
 // The tile's 64 rows: lrn[r] = log2(1 / sqrt(|x_r|^2 + eps)) (global, for the walk) and,
 // if rstd, rstd[r] = 1 / sqrt(|x_r|^2 + eps) (shared, for K K^T).
+// The 16 lanes of a half-warp (one aligned half) hold rows 8 it + tid / 16, it = 0..7,
+// in 16 parts each. A transposing butterfly sums them: at xor 8, 4 and 2 each lane keeps
+// half of its rows and adds its partner's parts of them, then xor 1 adds the last pair,
+// leaving row it = l / 2 in lanes l and l + 1 of the half: 8 shuffles and one log and
+// rsqrt a lane, where a reduction per row took 32 and eight.
 __device__ __forceinline__ void row_norms(const RowChunks& raw, float* lrn, float* rstd) {
-  const int tid = threadIdx.x;
+  const int tid = threadIdx.x, l = tid & 15;
+  float v[8];
 #pragma unroll
-  for (int it = 0; it < 8; ++it) {
-    const float ss = row_sumsq(raw[it]);
-    if ((tid & 15) == 0) {
-      const int r = it * 8 + (tid >> 4);
-      lrn[r] = -0.5f * __log2f(ss);
-      if (rstd != nullptr) rstd[r] = rsqrtf(ss);
+  for (int it = 0; it < 8; ++it) v[it] = lane_sumsq(raw[it]);
+#pragma unroll
+  for (int o = 8, n = 4; o > 1; o >>= 1, n >>= 1) {  // keep rows with bit o of it set where bit o of l is
+    const bool upper = (l & o) != 0;
+#pragma unroll
+    for (int j = 0; j < n; ++j) {
+      const float keep = upper ? v[j + n] : v[j], give = upper ? v[j] : v[j + n];
+      v[j] = keep + __shfl_xor_sync(0xffffffffu, give, o);
     }
+  }
+  const float ss = v[0] + __shfl_xor_sync(0xffffffffu, v[0], 1) + kL2NormEps;
+  if ((l & 1) == 0) {
+    const int r = (l >> 1) * 8 + (tid >> 4);
+    lrn[r] = -0.5f * __log2f(ss);
+    if (rstd != nullptr) rstd[r] = rsqrtf(ss);
   }
 }
 
