@@ -1,5 +1,6 @@
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include <cuda_runtime.h>
@@ -57,6 +58,8 @@ namespace cake {
 //   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
 //   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
 //   seg_exact      [NS, HV] int32                1: S_start(s + 1) needs M_s; 0: the cut is truncated
+//   chain_docs     [ND] int32                    the documents with a chain (>= 3 segments), in
+//                                                order, then -1 (ND = gdn_fwd_chain_doc_slots)
 // with NC = ceil(T / 64) + N chunk slots and NS segment slots (gdn_fwd_segment_slots;
 // the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV and
 // seg_chunks only: no host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.
@@ -81,6 +84,7 @@ struct GdnFwdArgs {
   float* seg_state;
   float* seg_transfer;
   int32_t* seg_exact;
+  int32_t* chain_docs;
   int64_t T, N, H, HV;
   int seg_chunks;  // > 0: the cut grid in chunks; 0: one segment per document
   int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)
@@ -112,6 +116,13 @@ inline int64_t gdn_fwd_segment_slots(int64_t T, int64_t N, int seg_chunks) {
 // (segments_n - 1) <= sum floor((chunks_n - 1) / seg_chunks) <= (ceil(T / 64) - 1) / seg_chunks.
 inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks) {
   return seg_chunks > 0 && T > 0 ? ((T + 63) / 64 - 1) / seg_chunks : 0;
+}
+
+// Documents with >= 3 segments, the ones with a chain step: more than 2 seg_chunks
+// chunks, so more than 128 seg_chunks tokens each. The chain launches a CTA group per
+// such slot, not per document (with many short documents almost all would return).
+inline int64_t gdn_fwd_chain_doc_slots(int64_t T, int64_t N, int seg_chunks) {
+  return seg_chunks > 0 ? std::min<int64_t>(N, T / (128 * static_cast<int64_t>(seg_chunks) + 1)) : 0;
 }
 
 // The cut grid for a call: deterministic (DESIGN.md §2) uses one fixed grid for every

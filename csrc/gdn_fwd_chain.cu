@@ -7,10 +7,15 @@
 // NOTES:
 // - fp32 throughout (DESIGN.md §2: a bf16 transfer chain diverges); plain FMAs in a fixed
 //   order, so the bits depend only on the cut grid.
-// - One CTA per (document, value head, 8 value columns): the value columns never mix, so
-//   16 CTAs share a head's chain without talking; each step is 128 x 128 x 8 MACs plus
-//   one 64 KB read of M_s (from L2: the summaries wrote it just before). The chain is
-//   serial, so a step's latency is what counts, not its throughput.
+// - One CTA per (chained document, value head, 16 value columns): the value columns never
+//   mix, so 8 CTAs share a head's chain without talking; each step is 128 x 128 x 16 MACs
+//   plus one 64 KB read of M_s (from L2: the summaries wrote it just before). The chain
+//   is serial, so a step's latency is what counts, not its throughput.
+// - Only documents with >= 3 segments have a step. The grid covers the bound on their
+//   number (gdn_fwd_chain_doc_slots; the plan lists them in chain_docs), not every
+//   document: one CTA per document, head and 8 columns returned at once almost
+//   everywhere and cost 10-11 us a call at s64k_h16 and s256k_h2 (deterministic grid,
+//   no document cut), about as much per CTA as real work.
 // - Thread k owns row k of the CTA's tile; the previous start state's tile sits in
 //   shared memory, read as broadcasts. M_s is stored transposed, so a warp's loads of
 //   row k = lane's element i are one 128-byte line: loading rows directly (a float4 per
@@ -22,13 +27,15 @@
 namespace cake {
 namespace {
 
-constexpr int kChainCols = 8;                                   // value columns per CTA: one float4 pair
+constexpr int kChainCols = 16;                                  // value columns per CTA: four float4
 constexpr int kChainTiles = kGdnHeadDim / kChainCols;           // CTAs per (document, value head)
 constexpr int kChainThreads = kGdnHeadDim;                      // thread k owns row k
 
 __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnFwdArgs p) {
-  __shared__ float4 tile[kGdnHeadDim][2];  // S_start(s) restricted to the CTA's columns
-  const int64_t n = blockIdx.x / (p.HV * kChainTiles);
+  constexpr int kQuads = kChainCols / 4;
+  __shared__ float4 tile[kGdnHeadDim][kQuads];  // S_start(s) restricted to the CTA's columns
+  const int32_t n = p.chain_docs[blockIdx.x / (p.HV * kChainTiles)];
+  if (n < 0) return;  // past the documents with a chain
   const int64_t hv = blockIdx.x / kChainTiles % p.HV;
   const int col = static_cast<int>(blockIdx.x % kChainTiles) * kChainCols;
   const int32_t first = p.seg_offsets[n];
@@ -43,12 +50,14 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
 
   {
     const float4* e0 = reinterpret_cast<const float4*>(state + k * kGdnHeadDim + col);
-    tile[k][0] = e0[0];
-    tile[k][1] = e0[1];
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) tile[k][q] = e0[q];
   }
   for (int s = 1; s + 1 < nseg; ++s) {
     const float4* e = reinterpret_cast<const float4*>(state + s * step + k * kGdnHeadDim + col);
-    float4 acc0 = e[0], acc1 = e[1];
+    float4 acc[kQuads];
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) acc[q] = e[q];
     // A truncated cut (the same flag for the whole CTA): S_start(s + 1) = E_s, in place.
     if (p.seg_exact[(first + s) * p.HV + hv]) {
       // Row k of M_s (column k of M_s^T), all loads in flight at once: a step then costs
@@ -60,24 +69,23 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
       __syncthreads();  // the tile holds S_start(s)
 #pragma unroll
       for (int i = 0; i < kGdnHeadDim; ++i) {
-        const float4 t0 = tile[i][0], t1 = tile[i][1];
-        acc0.x = fmaf(mrow[i], t0.x, acc0.x);
-        acc0.y = fmaf(mrow[i], t0.y, acc0.y);
-        acc0.z = fmaf(mrow[i], t0.z, acc0.z);
-        acc0.w = fmaf(mrow[i], t0.w, acc0.w);
-        acc1.x = fmaf(mrow[i], t1.x, acc1.x);
-        acc1.y = fmaf(mrow[i], t1.y, acc1.y);
-        acc1.z = fmaf(mrow[i], t1.z, acc1.z);
-        acc1.w = fmaf(mrow[i], t1.w, acc1.w);
+#pragma unroll
+        for (int q = 0; q < kQuads; ++q) {
+          const float4 t = tile[i][q];
+          acc[q].x = fmaf(mrow[i], t.x, acc[q].x);
+          acc[q].y = fmaf(mrow[i], t.y, acc[q].y);
+          acc[q].z = fmaf(mrow[i], t.z, acc[q].z);
+          acc[q].w = fmaf(mrow[i], t.w, acc[q].w);
+        }
       }
       float4* out = reinterpret_cast<float4*>(state + s * step + k * kGdnHeadDim + col);
-      out[0] = acc0;
-      out[1] = acc1;
+#pragma unroll
+      for (int q = 0; q < kQuads; ++q) out[q] = acc[q];
       __syncthreads();  // every thread has read S_start(s)
     }
     // (After a truncated step no thread reads the tile before the next exact step's barrier.)
-    tile[k][0] = acc0;
-    tile[k][1] = acc1;
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) tile[k][q] = acc[q];
   }
 }
 
@@ -85,7 +93,8 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
 
 cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.seg_chunks <= 0 || p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const int64_t blocks = p.N * p.HV * kChainTiles;
+  const int64_t blocks = gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks) * p.HV * kChainTiles;
+  if (blocks == 0) return cudaSuccess;
   gdn_fwd_chain_kernel<<<static_cast<unsigned>(blocks), kChainThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

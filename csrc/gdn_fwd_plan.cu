@@ -65,12 +65,15 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
 }
 
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
-// of max(1, ceil(chunks_m / seg_chunks)) (one segment per document when seg_chunks = 0).
+// of max(1, ceil(chunks_m / seg_chunks)) (one segment per document when seg_chunks = 0);
+// chain_docs (chain_slots entries, see gdn_fwd.h): the documents with >= 3 segments in
+// order, then -1.
 __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int64_t T, int seg_chunks,
-                                                            int32_t* chunk_offsets, int32_t* seg_offsets) {
-  __shared__ int32_t warp_sums[2][32];
+                                                            int32_t* chunk_offsets, int32_t* seg_offsets,
+                                                            int32_t* chain_docs, int32_t chain_slots) {
+  __shared__ int32_t warp_sums[3][32];
   if (threadIdx.x == 0) chunk_offsets[0] = seg_offsets[0] = 0;
-  int32_t chunk_carry = 0, seg_carry = 0;
+  int32_t chunk_carry = 0, seg_carry = 0, chain_carry = 0;
   for (int64_t base = 0; base < N; base += blockDim.x) {
     const int64_t n = base + threadIdx.x;
     int32_t chunks = 0, segs = 0;
@@ -80,16 +83,22 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
       chunks = len > 0 ? static_cast<int32_t>((len + kGdnChunk - 1) / kGdnChunk) : 0;
       segs = seg_chunks > 0 ? max(1, (chunks + seg_chunks - 1) / seg_chunks) : 1;
     }
-    int32_t chunk_total, seg_total;
+    const int32_t chained = segs >= 3 ? 1 : 0;
+    int32_t chunk_total, seg_total, chain_total;
     const int32_t chunk_end = block_inclusive_scan(chunks, warp_sums[0], chunk_total);
     const int32_t seg_end = block_inclusive_scan(segs, warp_sums[1], seg_total);
+    const int32_t chain_end = block_inclusive_scan(chained, warp_sums[2], chain_total);
     if (n < N) {
       chunk_offsets[n + 1] = chunk_carry + chunk_end;
       seg_offsets[n + 1] = seg_carry + seg_end;
+      // chain_carry + chain_end - 1 < chain_slots: gdn_fwd_chain_doc_slots bounds the count.
+      if (chained) chain_docs[chain_carry + chain_end - 1] = static_cast<int32_t>(n);
     }
     chunk_carry += chunk_total;
     seg_carry += seg_total;
+    chain_carry += chain_total;
   }
+  for (int32_t j = chain_carry + threadIdx.x; j < chain_slots; j += blockDim.x) chain_docs[j] = -1;
 }
 
 // 2 where a launch of about `ctas` CTAs fits in one wave of sm_count when split.
@@ -100,7 +109,8 @@ int value_splits_for(double ctas, int sm_count) { return 2.0 * ctas <= sm_count 
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0) return cudaSuccess;
   gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.T, p.seg_chunks,
-                                              p.chunk_offsets, p.seg_offsets);
+                                              p.chunk_offsets, p.seg_offsets, p.chain_docs,
+                                              static_cast<int32_t>(gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks)));
   return cudaGetLastError();
 }
 
