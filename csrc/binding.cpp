@@ -208,6 +208,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   const int64_t seg_state = ws.take(NS * s.HV * kMatBytes), seg_transfer = ws.take(NS * s.HV * kMatBytes);
   const int64_t seg_exact = ws.take(NS * s.HV * 4);
   const int64_t chain_docs = ws.take(gdn_fwd_chain_doc_slots(s.T, s.N, seg_chunks) * 4);
+  const int64_t walk_queue = ws.take(4);
   c.a_offset = ws.take(NC * s.HV * 64 * 64 * 2);
   c.gcum_offset = ws.take(NC * s.HV * 64 * 4);
   c.chunk_decay_offset = ws.take(NC * s.HV * 4);
@@ -241,6 +242,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.seg_transfer = NS > 0 ? reinterpret_cast<float*>(base + seg_transfer) : nullptr;
   a.seg_exact = NS > 0 ? reinterpret_cast<int32_t*>(base + seg_exact) : nullptr;
   a.chain_docs = NS > 0 ? reinterpret_cast<int32_t*>(base + chain_docs) : nullptr;
+  a.walk_queue = NS > 0 ? reinterpret_cast<int32_t*>(base + walk_queue) : nullptr;
   a.seg_chunks = seg_chunks;
   a.walk_splits = a.summary_splits = 1;
   a.T = s.T;

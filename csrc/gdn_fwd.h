@@ -60,9 +60,12 @@ namespace cake {
 //   seg_exact      [NS, HV] int32                1: S_start(s + 1) needs M_s; 0: the cut is truncated
 //   chain_docs     [ND] int32                    the documents with a chain (>= 3 segments), in
 //                                                order, then -1 (ND = gdn_fwd_chain_doc_slots)
+//   walk_queue     [1] int32                     the next summary walk to hand out (the plan zeroes it)
 // with NC = ceil(T / 64) + N chunk slots and NS segment slots (gdn_fwd_segment_slots;
 // the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV and
-// seg_chunks only: no host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no atomics.
+// seg_chunks only (and the SM count, for the persistent summary grid): no host sync, CUDA-graph
+// capturable. Deterministic: fixed reduction orders, no float atomics (an integer one hands
+// out summary walks; which CTA runs a walk does not change its bits).
 struct GdnFwdArgs {
   const void* q;
   const void* k;
@@ -85,6 +88,7 @@ struct GdnFwdArgs {
   float* seg_transfer;
   int32_t* seg_exact;
   int32_t* chain_docs;
+  int32_t* walk_queue;
   int64_t T, N, H, HV;
   int seg_chunks;  // > 0: the cut grid in chunks; 0: one segment per document
   int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)

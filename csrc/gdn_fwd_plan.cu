@@ -67,12 +67,16 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
 // of max(1, ceil(chunks_m / seg_chunks)) (one segment per document when seg_chunks = 0);
 // chain_docs (chain_slots entries, see gdn_fwd.h): the documents with >= 3 segments in
-// order, then -1.
+// order, then -1; walk_queue (if cut): 0, the summaries' first walk.
 __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int64_t T, int seg_chunks,
                                                             int32_t* chunk_offsets, int32_t* seg_offsets,
-                                                            int32_t* chain_docs, int32_t chain_slots) {
+                                                            int32_t* chain_docs, int32_t chain_slots,
+                                                            int32_t* walk_queue) {
   __shared__ int32_t warp_sums[3][32];
-  if (threadIdx.x == 0) chunk_offsets[0] = seg_offsets[0] = 0;
+  if (threadIdx.x == 0) {
+    chunk_offsets[0] = seg_offsets[0] = 0;
+    if (walk_queue != nullptr) *walk_queue = 0;
+  }
   int32_t chunk_carry = 0, seg_carry = 0, chain_carry = 0;
   for (int64_t base = 0; base < N; base += blockDim.x) {
     const int64_t n = base + threadIdx.x;
@@ -110,7 +114,7 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0) return cudaSuccess;
   gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.T, p.seg_chunks,
                                               p.chunk_offsets, p.seg_offsets, p.chain_docs,
-                                              static_cast<int32_t>(gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks)));
+                                              static_cast<int32_t>(gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks)), p.walk_queue);
   return cudaGetLastError();
 }
 

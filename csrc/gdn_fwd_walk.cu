@@ -6,7 +6,8 @@
 //            segment workspaces for the chain (gdn_fwd_chain.cu); at a truncated cut
 //            (gdn_fwd.h) E_s over the truncation window only, from zero, and no M_s.
 //
-// One CTA per (segment, value head[, E or M]), three warpgroups with separate jobs:
+// One CTA per (segment, value head[, E or M]) (summaries: a persistent grid, the CTAs
+// taking these walks from a queue), three warpgroups with separate jobs:
 //   state warpgroups 0 and 1: each holds 64 rows (value columns) of the transposed state
 //     S^T (64 x 128 fp32, 64 registers per thread) across all chunks of the document
 //     and runs the serial chain plus the output of its columns;
@@ -151,6 +152,7 @@ constexpr int kBarFull = 1;      // + 7 wg + stage: one per state warpgroup (1..
 constexpr int kBarEmpty = 4;     // + stage
 constexpr int kBarAux = 7;       // the aux warpgroup alone
 constexpr int kBarStagger = 11;  // warpgroup 1 starts once warpgroup 0 has issued its first state update
+constexpr int kBarItem = 12;     // summary mode: the whole CTA between two walks
 
 __device__ __forceinline__ void bar_sync(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
@@ -187,7 +189,7 @@ __device__ __forceinline__ void scale_columns(float (&acc)[32], const float* f, 
 template <bool kOutput, int kStateWgs>
 __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMaps& maps, unsigned char* smem,
                                               uint32_t load_bar, int hv, int h, int64_t seg_start, int64_t seg_end,
-                                              int nch, int64_t first_slot, bool with_v, int vh) {
+                                              int nch, int64_t first_slot, bool with_v, int vh, bool reinit) {
   constexpr int kThreads = kWalkThreads<kStateWgs>;
   const int tid = threadIdx.x - 128 * kStateWgs, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
@@ -224,9 +226,12 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMap
       tma::load_bytes(st + kGOff + kGLogRq * 4, p.qk_lrn + ((first_slot + c) * p.H + h) * 128, 128 * 4, bar);
   };
 
-  if (tid == 0) {
+  if (tid == 0) {  // (reinit: a later walk of a persistent CTA, every phase of the last one waited for)
 #pragma unroll
-    for (int s = 0; s < kStages; ++s) tma::mbar_init(load_bar + 8 * s, 1);
+    for (int s = 0; s < kStages; ++s) {
+      if (reinit) tma::mbar_inval(load_bar + 8 * s);
+      tma::mbar_init(load_bar + 8 * s, 1);
+    }
     tma::fence_mbar_init();
   }
   if (!with_v) {  // M_s: v = 0 in every stage, never loaded
@@ -237,6 +242,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdArgs& p, const WalkMap
     for (int i = tid; i < kStages * 128; i += 128)
       reinterpret_cast<float*>(smem + (i >> 7) * kStageBytes + kGOff)[kGLogRq + (i & 127)] = 0.f;
   }
+  wgmma::fence_proxy_async();  // the zeros precede later TMA loads into the same stages
   bar_sync(kBarAux, 128);  // the barriers are initialised (and the zeros written)
   if (nch > 0) issue_loads(0);
   if (nch > 1) issue_loads(1);
@@ -545,61 +551,126 @@ __device__ __forceinline__ int truncation_start(const float* decay, int64_t HV, 
   return -1;
 }
 
-// Output mode: CTA (segment slot, hv[, half]); summary mode: CTA (inner segment, hv, E or
-// M[, half]), inner segments being those that are not their document's last (the half
-// only when split: kStateWgs = 1; the halves are neighbours, so they run together and
-// share their loads of q, k and A in L2). CTAs past the real segments, and M of segment
-// 0 (whose start state is known), return at once.
+// One walk: output mode, (segment slot, hv[, half]); summary mode, (inner segment, hv,
+// E or M[, half]), inner segments being those that are not their document's last (the
+// half only when split: kStateWgs = 1; the halves are neighbours, so they run together
+// and share their loads of q, k and A in L2). run = false for walks past the real
+// segments, M of segment 0 (whose start state is known) and M of a truncated cut.
+struct Walk {
+  bool run, transfer;
+  int hv, half, nch;
+  int64_t seg_start, seg_end, doc_end, first_slot;
+  const float* S0;
+  float* S_end;
+};
+
+template <bool kOutput, int kStateWgs>
+__device__ __forceinline__ Walk find_walk(const GdnFwdArgs& p, int64_t index) {
+  constexpr int kKinds = kOutput ? 1 : 2, kHalves = 3 - kStateWgs;
+  Walk w{};
+  w.half = kHalves == 2 ? static_cast<int>(index % 2) : 0;
+  const int64_t block = index / kHalves;
+  w.transfer = !kOutput && block % kKinds == 1;  // M_s rather than E_s
+  const int64_t hv = block / kKinds % p.HV;
+  w.hv = static_cast<int>(hv);
+  const int64_t item = block / kKinds / p.HV;
+  if (item >= p.seg_offsets[p.N] - (kOutput ? 0 : p.N)) return w;
+  const int64_t slot = kOutput ? item : inner_segment_slot(p.seg_offsets, p.N, item);
+  const SegmentPos sp = find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, slot);
+  if (w.transfer && sp.seg == 0) return w;
+
+  const int64_t head_state = slot * p.HV + hv;  // this (segment, value head)'s workspace matrix
+  int skip = 0;  // chunks of the segment before the walk starts (summary of a truncated cut)
+  if constexpr (!kOutput) {
+    const int cw = truncation_start(p.chunk_decay + (p.chunk_offsets[sp.doc] + sp.c0) * p.HV + hv, p.HV, sp.nch);
+    if (w.transfer && cw >= 0) return w;  // truncated: the chain needs no M_s
+    if (!w.transfer && w.half == 0 && threadIdx.x == 0) p.seg_exact[head_state] = cw < 0;
+    skip = cw > 0 ? cw : 0;
+  }
+  constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
+  w.S0 = nullptr;
+  if (sp.seg == 0 && !w.transfer && skip == 0) {
+    if (p.initial_state != nullptr) w.S0 = p.initial_state + (sp.doc * p.HV + hv) * kMat;
+  } else if (kOutput) {
+    w.S0 = p.seg_state + (head_state - p.HV) * kMat;  // the chained start state, in the previous slot
+  }
+  if constexpr (kOutput) w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
+  else w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + head_state * kMat;
+
+  const int c0 = sp.c0 + skip;
+  w.nch = sp.nch - skip;
+  w.seg_start = sp.doc_start + static_cast<int64_t>(c0) * kGdnChunk;
+  w.seg_end = min(sp.doc_end, w.seg_start + static_cast<int64_t>(w.nch) * kGdnChunk);
+  w.doc_end = sp.doc_end;
+  w.first_slot = p.chunk_offsets[sp.doc] + c0;
+  w.run = true;
+  return w;
+}
+
+// Output mode: one CTA per walk (find_walk). Summary mode: a persistent grid of at most
+// one CTA per SM, each CTA taking the next walk from p.walk_queue (an integer atomic; the
+// plan zeroed it) until none is left. Where no document is cut every summary walk is
+// empty, and a CTA per walk slot (1,920 at s64k_h16, one at a time per SM for their
+// shared memory) cost 6-7 us a call just to start and return. The queue, not a fixed
+// walk i, i + gridDim.x, ... per CTA: walks differ in length (a truncated cut's E_s is a
+// few chunks, its M_s none, an exact one's both whole segments), and with an even grid a
+// CTA would only ever take E_s or only M_s (kind = index % 2); the queue balances as the
+// block scheduler did. Which CTA runs a walk does not change its bits.
+// Each role's loop sits beside its setmaxnreg, so that the compiler sees one register
+// budget per code path.
 template <bool kOutput, int kStateWgs>
 __global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1)
     gdn_fwd_walk_kernel(const GdnFwdArgs p, const __grid_constant__ WalkMaps maps) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t load_bar[kStages];
   unsigned char* smem = smem_raw + ((1024 - (mma::smem_addr(smem_raw) & 1023)) & 1023);
-
-  constexpr int kKinds = kOutput ? 1 : 2, kHalves = 3 - kStateWgs;
-  const int half = kHalves == 2 ? blockIdx.x % 2 : 0;
-  const int64_t block = blockIdx.x / kHalves;
-  const bool transfer = !kOutput && block % kKinds == 1;  // M_s rather than E_s
-  const int64_t hv = block / kKinds % p.HV;
-  const int64_t item = block / kKinds / p.HV;
-  if (item >= p.seg_offsets[p.N] - (kOutput ? 0 : p.N)) return;
-  const int64_t slot = kOutput ? item : inner_segment_slot(p.seg_offsets, p.N, item);
-  const SegmentPos sp = find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, slot);
-  if (transfer && sp.seg == 0) return;
-
-  const int64_t head_state = slot * p.HV + hv;  // this (segment, value head)'s workspace matrix
-  int skip = 0;  // chunks of the segment before the walk starts (summary of a truncated cut)
-  if constexpr (!kOutput) {
-    const int cw = truncation_start(p.chunk_decay + (p.chunk_offsets[sp.doc] + sp.c0) * p.HV + hv, p.HV, sp.nch);
-    if (transfer && cw >= 0) return;  // truncated: the chain needs no M_s
-    if (!transfer && half == 0 && threadIdx.x == 0) p.seg_exact[head_state] = cw < 0;
-    skip = cw > 0 ? cw : 0;
-  }
-  constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
-  const float* S0 = nullptr;
-  if (sp.seg == 0 && !transfer && skip == 0) {
-    if (p.initial_state != nullptr) S0 = p.initial_state + (sp.doc * p.HV + hv) * kMat;
-  } else if (kOutput) {
-    S0 = p.seg_state + (head_state - p.HV) * kMat;  // the chained start state, in the previous slot
-  }
-  float* S_end;
-  if constexpr (kOutput) S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
-  else S_end = (transfer ? p.seg_transfer : p.seg_state) + head_state * kMat;
-
-  const int c0 = sp.c0 + skip, nch = sp.nch - skip;
-  const int64_t seg_start = sp.doc_start + static_cast<int64_t>(c0) * kGdnChunk;
-  const int64_t seg_end = min(sp.doc_end, seg_start + static_cast<int64_t>(nch) * kGdnChunk);
+  const uint32_t bars = mma::smem_addr(load_bar);
   const int wg = threadIdx.x >> 7;
-  if (wg == kStateWgs) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs<kStateWgs>));
-    aux_warpgroup<kOutput, kStateWgs>(p, maps, smem, mma::smem_addr(load_bar), static_cast<int>(hv),
-                                      static_cast<int>(hv / (p.HV / p.H)), seg_start, seg_end, nch,
-                                      p.chunk_offsets[sp.doc] + c0, !transfer, half);
+  if constexpr (kOutput) {
+    const Walk w = find_walk<kOutput, kStateWgs>(p, blockIdx.x);
+    if (!w.run) return;
+    if (wg == kStateWgs) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs<kStateWgs>));
+      aux_warpgroup<kOutput, kStateWgs>(p, maps, smem, bars, w.hv, w.hv / static_cast<int>(p.HV / p.H), w.seg_start,
+                                        w.seg_end, w.nch, w.first_slot, true, w.half, false);
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
+      state_warpgroup<kOutput, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half, w.hv,
+                                          w.seg_start, w.doc_end, w.nch, w.S0, false, w.S_end);
+    }
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
-    state_warpgroup<kOutput, kStateWgs>(p, smem, mma::smem_addr(load_bar), kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : half, hv, seg_start, sp.doc_end, nch, S0,
-                                        transfer, S_end);
+    __shared__ int32_t taken;  // the walk thread 0 took from the queue
+    const int64_t walks = (p.seg_offsets[p.N] - p.N) * p.HV * 2 * (3 - kStateWgs);
+    if (walks == 0) return;
+    if (wg == kStateWgs) {
+      asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs<kStateWgs>));
+      bool walked = false;  // the load barriers hold an earlier walk's (spent) state
+      for (;;) {
+        bar_sync(kBarItem, kWalkThreads<kStateWgs>);  // `taken` is written
+        const int64_t i = taken;
+        if (i >= walks) break;
+        const Walk w = find_walk<kOutput, kStateWgs>(p, i);
+        if (w.run) {
+          aux_warpgroup<kOutput, kStateWgs>(p, maps, smem, bars, w.hv, w.hv / static_cast<int>(p.HV / p.H),
+                                            w.seg_start, w.seg_end, w.nch, w.first_slot, !w.transfer, w.half, walked);
+          walked = true;
+        }
+        bar_sync(kBarItem, kWalkThreads<kStateWgs>);  // the walk is done: its barriers and stages are free
+      }
+    } else {
+      asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
+      for (;;) {
+        if (threadIdx.x == 0) taken = atomicAdd(p.walk_queue, 1);
+        bar_sync(kBarItem, kWalkThreads<kStateWgs>);
+        const int64_t i = taken;
+        if (i >= walks) break;
+        const Walk w = find_walk<kOutput, kStateWgs>(p, i);
+        if (w.run)
+          state_warpgroup<kOutput, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half,
+                                              w.hv, w.seg_start, w.doc_end, w.nch, w.S0, w.transfer, w.S_end);
+        bar_sync(kBarItem, kWalkThreads<kStateWgs>);  // (every thread has read `taken` before it is rewritten)
+      }
+    }
   }
 }
 
@@ -625,8 +696,15 @@ cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t st
   auto kernel = gdn_fwd_walk_kernel<kOutput, kStateWgs>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int64_t blocks = items * p.HV * (kOutput ? 1 : 2) * (3 - kStateWgs);
+  int64_t blocks = items * p.HV * (kOutput ? 1 : 2) * (3 - kStateWgs);
   if (blocks == 0) return cudaSuccess;
+  if constexpr (!kOutput) {  // persistent: at most one CTA per SM (the kernel's occupancy)
+    int device = 0, sms = 0;
+    err = cudaGetDevice(&device);
+    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (err != cudaSuccess) return err;
+    blocks = std::min<int64_t>(blocks, sms);
+  }
   WalkMaps maps;
   err = encode_walk_maps(p, maps);
   if (err != cudaSuccess) return err;
