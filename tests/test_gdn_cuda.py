@@ -183,6 +183,28 @@ def test_truncated_and_exact_cuts_mixed(ops):
     _assert_matches_reference(o, ht, inp, True, "cuda gdn_fwd segmented", "truncated and exact cuts mixed")
 
 
+def test_summary_walks_outnumber_the_sms(ops):
+    """More summary walks than any Hopper has SMs (612: one-chunk cuts of two documents,
+    six value heads, E and M), so each CTA of the persistent summary grid takes several
+    from the queue in turn, re-initialising its load barriers between them; strong and
+    slow chunks mixed per head (truncated and exact cuts). Split by value columns and
+    not: the same bits, and against FP64, NaN-poisoned."""
+    lengths = [64 * 40 + 9, 64 * 12]
+    inp = make_gdn_inputs(lengths, 2, 6, 128, 128, initial_state=True, device="cuda", seed=43)
+    T = sum(lengths)
+    chunk = torch.cat([torch.arange(n, device="cuda") // 64 for n in lengths])
+    strong = torch.stack([(chunk + h) % (h + 2) == 0 for h in range(6)], dim=1)  # [T, HV]
+    u = torch.rand(T, 6, device="cuda", generator=torch.Generator(device="cuda").manual_seed(44))
+    inp["g"] = torch.where(strong, -20 * u - 0.5, -1e-3 * (u + 0.5)).contiguous()
+    results = []
+    for value_splits in (1, 2):
+        with poisoned_allocations():
+            results.append(_call(ops, inp, True, segment_chunks=1, value_splits=value_splits))
+    (o1, h1), (o2, h2) = results
+    assert torch.equal(o1, o2) and torch.equal(h1, h2)
+    _assert_matches_reference(o1, h1, inp, True, "cuda gdn_fwd segmented", "summary walks outnumber the SMs")
+
+
 @pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c[0] for c in SEGMENT_CASES])
 def test_value_split_walk_is_bitwise_the_unsplit_walk(ops, case):
     """The walks split by value columns (two CTAs per (segment, value head), each with one
