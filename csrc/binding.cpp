@@ -190,7 +190,7 @@ struct Carve {
 GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
                            const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
-                           int seg_chunks) {
+                           int seg_chunks, int seg_long_max) {
   GdnFwdCall c;
   c.q = dense16(q);
   c.k = dense16(k);
@@ -201,7 +201,8 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   const auto f32 = q.options().dtype(at::kFloat);
   const auto bf16 = q.options().dtype(at::kBFloat16);
   const int64_t NC = gdn_fwd_chunk_slots(s.T, s.N);
-  const int64_t NS = seg_chunks > 0 ? gdn_fwd_segment_slots(s.T, s.N, seg_chunks) : 0;
+  const int64_t NS =
+      seg_chunks > 0 ? gdn_fwd_segment_slots(s.T, s.N, gdn_fwd_finest_cut_chunks(seg_chunks, seg_long_max)) : 0;
   constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
   Carve ws;
   const int64_t chunk_offsets = ws.take((s.N + 1) * 4), seg_offsets = ws.take((s.N + 1) * 4);
@@ -244,6 +245,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.chain_docs = NS > 0 ? reinterpret_cast<int32_t*>(base + chain_docs) : nullptr;
   a.walk_queue = NS > 0 ? reinterpret_cast<int32_t*>(base + walk_queue) : nullptr;
   a.seg_chunks = seg_chunks;
+  a.seg_long_max = seg_long_max;
   a.walk_splits = a.summary_splits = 1;
   a.T = s.T;
   a.N = s.N;
@@ -284,7 +286,10 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
   const int seg_chunks = segment_chunks >= 0
                              ? static_cast<int>(segment_chunks)
                              : gdn_fwd_choose_segment_chunks(s.T, s.N, s.HV, deterministic, sm_count);
-  GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, seg_chunks);
+  // An explicit grid (tests, sweeps) cuts every document alike.
+  const int seg_long_max = segment_chunks >= 0 ? 0 : gdn_fwd_choose_segment_long_max(s.HV, deterministic);
+  GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, seg_chunks,
+                                 seg_long_max);
   if (value_splits > 0) c.args.walk_splits = c.args.summary_splits = static_cast<int>(value_splits);
   else gdn_fwd_choose_value_splits(c.args, sm_count);
   const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
@@ -301,7 +306,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
                                                 bool use_qk_l2norm) {
   const GdnShapes s = check_gdn_inputs("gdn_fwd_prep", q, k, nullptr, g, beta, cu_seqlens);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  GdnFwdCall c = prepare_gdn_fwd(s, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, 1.0, use_qk_l2norm, 0);
+  GdnFwdCall c = prepare_gdn_fwd(s, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, 1.0, use_qk_l2norm, 0, 0);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   cudaError_t err = gdn_fwd_plan_launch(c.args, stream);
   if (err == cudaSuccess) err = gdn_fwd_prep_launch(c.args, stream);

@@ -50,6 +50,14 @@ __device__ __forceinline__ ChunkPos find_chunk(const int32_t* chunk_offsets, CuS
   return {lo, t0, static_cast<int>(left < kGdnChunk ? left : kGdnChunk)};
 }
 
+// The cut grid of a document of `chunks` chunks: every seg_chunks chunks from its start
+// (0: uncut), or every seg_chunks / 2 for a long document, of 4 seg_chunks .. long_max
+// chunks (long_max = 0: none; the deterministic plan's choice, gdn_fwd.h). A function of
+// the document's own length, so its bits do not depend on its neighbours.
+__host__ __device__ inline int doc_cut_chunks(int chunks, int seg_chunks, int long_max) {
+  return seg_chunks > 1 && chunks >= 4 * seg_chunks && chunks <= long_max ? seg_chunks / 2 : seg_chunks;
+}
+
 // A segment of a document's walk: chunks c0 .. c0 + nch - 1 of document doc, its index
 // seg of nseg (seg_offsets: see gdn_fwd.h; seg_chunks = 0 means one segment a document).
 struct SegmentPos {
@@ -73,7 +81,7 @@ __device__ __forceinline__ int64_t inner_segment_slot(const int32_t* seg_offsets
 
 // The segment in `slot` (< seg_offsets[N]).
 __device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, CuSeqlens cu, int64_t N,
-                                                   int seg_chunks, int64_t slot) {
+                                                   int seg_chunks, int long_max, int64_t slot) {
   SegmentPos s;
   s.doc = find_document(seg_offsets, N, slot);
   const int32_t first = seg_offsets[s.doc];
@@ -82,8 +90,9 @@ __device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, C
   s.doc_start = cu[s.doc];
   s.doc_end = cu[s.doc + 1];
   const int chunks = s.doc_end > s.doc_start ? static_cast<int>((s.doc_end - s.doc_start + kGdnChunk - 1) / kGdnChunk) : 0;
-  s.c0 = seg_chunks > 0 ? s.seg * seg_chunks : 0;
-  s.nch = seg_chunks > 0 ? min(seg_chunks, chunks - s.c0) : chunks;
+  const int grid = doc_cut_chunks(chunks, seg_chunks, long_max);
+  s.c0 = grid > 0 ? s.seg * grid : 0;
+  s.nch = grid > 0 ? min(grid, chunks - s.c0) : chunks;
   return s;
 }
 

@@ -23,7 +23,9 @@ namespace cake {
 //        v_new = A diag(beta) (v - e^gcum (k S)),  o = scale e^gcum (q S) + P v_new,
 //        S <- e^gl S + (e^(gl - gcum) k)^T v_new,  P = scale tril(q k^T * e^(gcum_i - gcum_j)).
 // With segments (seg_chunks > 0), every document is cut at a grid of seg_chunks chunks
-// counted from its start, and the walk runs per (segment, value head) in parallel:
+// counted from its start (seg_chunks / 2 for a long one, of 4 seg_chunks .. seg_long_max
+// chunks: doc_cut_chunks, gdn_chunks.cuh), and the walk runs per (segment, value head) in
+// parallel:
 //   summaries (gdn_fwd_walk.cu, no output): segment s's walk is affine in its start
 //        state, S_end = M_s S_start + E_s. E_s is the walk of s from zero (segment 0:
 //        from the initial state), M_s (K x K) the walk of s from the identity with v = 0.
@@ -35,8 +37,9 @@ namespace cake {
 // E_s is walked from zero over those W chunks only, M_s is not formed and the chain
 // takes S_start(s + 1) = E_s. The test reads only the segment's own gates and keys, so
 // the bits still depend on the document alone.
-// The deterministic grid is one constant, so a document's bits depend on it alone
-// (DESIGN.md §2); the non-deterministic grid is chosen from the shapes and SM count.
+// The deterministic grid is a function of the document's own length and HV only, so a
+// document's bits depend on it alone (DESIGN.md §2); the non-deterministic grid is chosen
+// from the shapes and SM count.
 //
 //   q, k           [T, H, 128] bf16          v [T, HV, 128] bf16, HV = G * H
 //   g              [T, HV] fp32              beta [T, HV] fp32 or bf16 (beta_dtype)
@@ -90,7 +93,8 @@ struct GdnFwdArgs {
   int32_t* chain_docs;
   int32_t* walk_queue;
   int64_t T, N, H, HV;
-  int seg_chunks;  // > 0: the cut grid in chunks; 0: one segment per document
+  int seg_chunks;    // > 0: the cut grid in chunks; 0: one segment per document
+  int seg_long_max;  // documents of 4 seg_chunks .. seg_long_max chunks are cut every seg_chunks / 2 (0: none)
   int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)
   int summary_splits;  // the same for the summaries; the bits are the same either way
   float scale;
@@ -122,18 +126,35 @@ inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks) {
   return seg_chunks > 0 && T > 0 ? ((T + 63) / 64 - 1) / seg_chunks : 0;
 }
 
+// The finest grid any document is cut at (doc_cut_chunks), for the slot bounds above.
+inline int gdn_fwd_finest_cut_chunks(int seg_chunks, int seg_long_max) {
+  return seg_chunks > 1 && seg_long_max >= 4 * seg_chunks ? seg_chunks / 2 : seg_chunks;
+}
+
 // Documents with >= 3 segments, the ones with a chain step: more than 2 seg_chunks
-// chunks, so more than 128 seg_chunks tokens each. The chain launches a CTA group per
+// chunks (a long one, cut finer, has at least 4 seg_chunks), so more than 128 seg_chunks
+// tokens each. The chain launches a CTA group per
 // such slot, not per document (with many short documents almost all would return).
 inline int64_t gdn_fwd_chain_doc_slots(int64_t T, int64_t N, int seg_chunks) {
   return seg_chunks > 0 ? std::min<int64_t>(N, T / (128 * static_cast<int64_t>(seg_chunks) + 1)) : 0;
 }
 
-// The cut grid for a call: deterministic (DESIGN.md §2) uses one fixed grid for every
-// shape and device, kGdnDetSegChunks; otherwise the grid is chosen from the shapes and
-// the SM count (0 when the (document, value head) walks alone fill the GPU).
+// The cut grid for a call: deterministic (DESIGN.md §2) uses kGdnDetSegChunks for every
+// shape and device, with long documents cut finer (gdn_fwd_choose_segment_long_max);
+// otherwise the grid is chosen from the shapes and the SM count (0 when the (document,
+// value head) walks alone fill the GPU).
 constexpr int kGdnDetSegChunks = 64;
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count);
+
+// seg_long_max for a call. Deterministic: a document of at least 4 kGdnDetSegChunks chunks
+// (16,384 tokens) is cut every kGdnDetSegChunks / 2 while, cut at the full grid, its
+// segments times HV would fill fewer than kGdnDetFillWalks walks, i.e. up to
+// kGdnDetSegChunks (ceil(kGdnDetFillWalks / HV) - 1) chunks (none from HV = 32). Such a
+// document alone leaves SMs idle at the full grid; the length and HV are the document's
+// own, not the SM count's or its neighbours'. Non-deterministic: 0 (its grid is chosen
+// from the whole call already).
+constexpr int kGdnDetFillWalks = 128;
+int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic);
 
 // The value-column splits of the walk and summary launches (args.walk_splits,
 // args.summary_splits) for args' shapes and cut grid: 2 where the split CTAs fit in one

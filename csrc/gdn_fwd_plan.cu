@@ -65,10 +65,12 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
 }
 
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
-// of max(1, ceil(chunks_m / seg_chunks)) (one segment per document when seg_chunks = 0);
+// of max(1, ceil(chunks_m / grid_m)), grid_m = doc_cut_chunks(chunks_m, ...) (one segment
+// per document when seg_chunks = 0);
 // chain_docs (chain_slots entries, see gdn_fwd.h): the documents with >= 3 segments in
 // order, then -1; walk_queue (if cut): 0, the summaries' first walk.
 __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int64_t T, int seg_chunks,
+                                                            int long_max,
                                                             int32_t* chunk_offsets, int32_t* seg_offsets,
                                                             int32_t* chain_docs, int32_t chain_slots,
                                                             int32_t* walk_queue) {
@@ -85,7 +87,8 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
       check_cu_seqlens(cu, n, N, T);
       const int64_t len = cu[n + 1] - cu[n];
       chunks = len > 0 ? static_cast<int32_t>((len + kGdnChunk - 1) / kGdnChunk) : 0;
-      segs = seg_chunks > 0 ? max(1, (chunks + seg_chunks - 1) / seg_chunks) : 1;
+      const int grid = doc_cut_chunks(chunks, seg_chunks, long_max);
+      segs = grid > 0 ? max(1, (chunks + grid - 1) / grid) : 1;
     }
     const int32_t chained = segs >= 3 ? 1 : 0;
     int32_t chunk_total, seg_total, chain_total;
@@ -113,8 +116,9 @@ int value_splits_for(double ctas, int sm_count) { return 2.0 * ctas <= sm_count 
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0) return cudaSuccess;
   gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.T, p.seg_chunks,
-                                              p.chunk_offsets, p.seg_offsets, p.chain_docs,
-                                              static_cast<int32_t>(gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks)), p.walk_queue);
+                                              p.seg_long_max, p.chunk_offsets, p.seg_offsets, p.chain_docs,
+                                              static_cast<int32_t>(gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks)),
+                                              p.walk_queue);
   return cudaGetLastError();
 }
 
@@ -151,12 +155,18 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
   return best_g;
 }
 
+int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic) {
+  if (!deterministic || HV <= 0) return 0;
+  const int64_t long_max = kGdnDetSegChunks * ((kGdnDetFillWalks + HV - 1) / HV - 1);
+  return long_max >= 4 * kGdnDetSegChunks ? static_cast<int>(long_max) : 0;
+}
+
 void gdn_fwd_choose_value_splits(GdnFwdArgs& a, int sm_count) {
   // Segments per document, the documents taken as equally long (their lengths are on the device).
   double segs = 1.0;
   if (a.N > 0 && a.T > 0 && a.seg_chunks > 0) {
     const double chunks = std::ceil(static_cast<double>(a.T) / kGdnChunk / static_cast<double>(a.N));
-    segs = std::max(1.0, std::ceil(chunks / a.seg_chunks));
+    segs = std::max(1.0, std::ceil(chunks / doc_cut_chunks(static_cast<int>(chunks), a.seg_chunks, a.seg_long_max)));
   }
   const double walks = static_cast<double>(std::max<int64_t>(a.N, 0) * a.HV);
   a.walk_splits = value_splits_for(walks * segs, sm_count);

@@ -576,7 +576,8 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdArgs& p, int64_t index) {
   const int64_t item = block / kKinds / p.HV;
   if (item >= p.seg_offsets[p.N] - (kOutput ? 0 : p.N)) return w;
   const int64_t slot = kOutput ? item : inner_segment_slot(p.seg_offsets, p.N, item);
-  const SegmentPos sp = find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, slot);
+  const SegmentPos sp =
+      find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max, slot);
   if (w.transfer && sp.seg == 0) return w;
 
   const int64_t head_state = slot * p.HV + hv;  // this (segment, value head)'s workspace matrix
@@ -715,7 +716,8 @@ cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t st
 template <bool kOutput>
 cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const int64_t items = kOutput ? gdn_fwd_segment_slots(p.T, p.N, p.seg_chunks) : gdn_fwd_inner_segment_slots(p.T, p.seg_chunks);
+  const int finest = gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max);
+  const int64_t items = kOutput ? gdn_fwd_segment_slots(p.T, p.N, finest) : gdn_fwd_inner_segment_slots(p.T, finest);
   const int splits = kOutput ? p.walk_splits : p.summary_splits;
   return splits == 2 ? launch_walk_ctas<kOutput, 1>(p, items, stream) : launch_walk_ctas<kOutput, 2>(p, items, stream);
 }

@@ -4,7 +4,7 @@ Checked against the FP64 token-by-token reference (the accuracy contract of DESI
 §2) under NaN-poisoned allocation, stage by stage (the prep op's A diag(beta), gcum and chunk_decay
 against the PyTorch chunked algorithm, then o and the final state), plus bitwise
 determinism, CUDA-graph capture, the walk cut into segments (summaries, chain, walk;
-exact and truncated cuts; the fixed deterministic grid) and the six benchmark shapes (first and last document
+exact and truncated cuts; the deterministic grid) and the six benchmark shapes (first and last document
 against FP64). Every test is marked ``gpu`` and skipped without a Hopper GPU.
 """
 
@@ -231,8 +231,8 @@ def test_segmented_walk_is_bitwise_deterministic(ops):
 
 
 def test_deterministic_plan_depends_on_the_document_alone(ops):
-    """deterministic=True cuts every document at the same fixed grid, so a document's bits
-    are the same alone and packed with others (any T, N, SM count); the non-deterministic
+    """deterministic=True cuts every document at a grid of its own length and HV, so a
+    document's bits are the same alone and packed with others (any T, N, SM count); the non-deterministic
     plan (here cut differently) still meets the contract."""
     long_len = 64 * 64 * 2 + 100  # three segments of the fixed 64-chunk grid
     case = ("packed", [300, long_len, 4000], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
@@ -248,6 +248,27 @@ def test_deterministic_plan_depends_on_the_document_alone(ops):
     for deterministic in (True, False):
         o, ht = _call(ops, inp, l2, deterministic=deterministic)
         assert accuracy(o, ro).ok and accuracy(ht, rht).ok, f"deterministic={deterministic}"
+
+
+def test_deterministic_grid_is_finer_for_a_long_document(ops):
+    """deterministic=True cuts a document of at least 256 chunks (16,384 tokens) every 32
+    chunks while its 64-chunk segments times HV would fill fewer than 128 walks
+    (gdn_fwd.h; here HV = 2), and any other document every 64. Packed, the long
+    document's bits are those of an explicit 32-chunk grid on it alone, the shorter one's
+    those of a 64-chunk grid; against FP64, NaN-poisoned."""
+    short_len, long_len = 64 * 130 + 5, 64 * 256 + 37  # 131 and 257 chunks
+    case = ("short_and_long", [short_len, long_len], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    inp, l2 = _inputs(case, seed=45)
+    with poisoned_allocations():
+        o, ht = _call(ops, inp, l2)
+    for n, (a, b), grid in ((0, (0, short_len), 64), (1, (short_len, short_len + long_len), 32)):
+        alone = {name: inp[name][a:b] for name in ("q", "k", "v", "g", "beta")}
+        alone["cu_seqlens"] = torch.tensor([0, b - a], dtype=torch.int32, device="cuda")
+        alone["initial_state"] = inp["initial_state"][n : n + 1]
+        o_grid, h_grid = _call(ops, alone, l2, segment_chunks=grid)
+        same = torch.equal(o[a:b], o_grid) and torch.equal(ht[n : n + 1], h_grid)
+        assert same, f"document {n}: not the {grid}-chunk grid"
+    _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd segmented", "long document on the finer deterministic grid")
 
 
 def test_segmented_cuda_graph_replay_equals_eager(ops):
