@@ -12,6 +12,14 @@
 //   would), before any other stage reads it.
 // - The non-deterministic cut grid comes from a cost model over static shapes only (T, N,
 //   HV, SM count): the document lengths are on the device and reading them would sync.
+// - The deterministic grid halves for a long document that alone would leave SMs idle
+//   (gdn_fwd_choose_segment_long_max): s16k_long (one document of 256 chunks, HV = 16),
+//   at 32 chunks, 8 segments x 16 heads walk unsplit where 4 x 16 walked split by value
+//   columns: walk 0.106 -> 0.085 ms, summaries 0.043 -> 0.045, forward 0.210 -> 0.193
+//   (tools/ab_csrc.py, against the same code on the 64-chunk grid). The rule reads the document's length and HV, never its
+//   neighbours or the SM count, so its bits stay its own; packs of 4096-token documents
+//   (s64k_h16, s256k_h2, s16k_h8) are not cut, and documents of fewer than 256 chunks
+//   keep the 64-chunk grid (s32k_h16's three documents already fill the GPU).
 
 #include <algorithm>
 #include <cassert>  // __assert_fail (glibc), what a device assert calls

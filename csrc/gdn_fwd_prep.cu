@@ -24,7 +24,9 @@
 //   (ncu at s64k_h16: DRAM 33 % busy, issue 61 %, 17 % of stall samples at the inverse's
 //   round barriers). Nor is it the chunk lookup: a shared-memory sample of the chunk
 //   offsets in place of find_chunk's chain of dependent loads (try/prep-find-smem) made
-//   it 1.5 % slower.
+//   it 1.5 % slower. The row norms by a transposing butterfly (row_norms: 8 shuffles and
+//   one log and rsqrt a lane, where a reduction per row took 32 and eight) made the
+//   prep 7-8 % faster (s64k_h16 0.394 -> 0.361 ms, s256k_h2 0.250 -> 0.233).
 // - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
 //   G value heads; only the gating, beta and the inverse are per value head.
 // - The inverse A = (I + L)^-1 is blocked 16x16, warp w owning block row w (the rows of

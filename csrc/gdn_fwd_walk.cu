@@ -92,7 +92,15 @@
 //   O^T issued behind X (try/o-after-x) was -1.5 % here and +1.7 % at s32k_h16: not
 //   taken. A reading, not measured: the aux's P~ product now lands while warpgroup 1
 //   stages its o (no tensor work), and anything that moves it onto the chain's products
-//   costs more than the work saved.
+//   costs more than the work saved. With the stagger at the state update, warpgroup 1
+//   starting after warpgroup 0's first O += X P~^T (try/stagger-o) was +1 %, and O^T
+//   behind X (try/oax2) +2-3 %, at s64k_h16, s256k_h2 and s32k_h16.
+// - Summaries on the persistent grid (kernel ms of the summary launch, det plan, one
+//   tools/ab_csrc.py call with --rounds 2): 0.007 -> 0.001 at s64k_h16 and 0.006 -> 0.001
+//   at s256k_h2, where no document is cut; 0.102 -> 0.107 at s32k_h16 and 0.040 -> 0.043
+//   at s16k_long, where they walk (a CTA's turn between walks: two CTA barriers, the
+//   atomic, find_walk's dependent loads, re-initialised barriers). A fixed stride instead
+//   of the queue (try/summary-persistent) cost +47 % at s32k_h16.
 
 #include <algorithm>
 
