@@ -16,10 +16,11 @@
 //   (gdn_fwd_choose_segment_long_max): s16k_long (one document of 256 chunks, HV = 16),
 //   at 32 chunks, 8 segments x 16 heads walk unsplit where 4 x 16 walked split by value
 //   columns: walk 0.106 -> 0.085 ms, summaries 0.043 -> 0.045, forward 0.210 -> 0.193
-//   (tools/ab_csrc.py, against the same code on the 64-chunk grid). The rule reads the document's length and HV, never its
-//   neighbours or the SM count, so its bits stay its own; packs of 4096-token documents
-//   (s64k_h16, s256k_h2, s16k_h8) are not cut, and documents of fewer than 256 chunks
-//   keep the 64-chunk grid (s32k_h16's three documents already fill the GPU).
+//   (tools/ab_csrc.py, against the same code on the 64-chunk grid). The rule reads the
+//   document's length and HV, never its neighbours or the SM count, so its bits stay its
+//   own; packs of 4096-token documents (s64k_h16, s256k_h2, s16k_h8) are not cut, and
+//   documents of fewer than 256 chunks keep the 64-chunk grid (s32k_h16's three
+//   documents already fill the GPU).
 
 #include <algorithm>
 #include <cassert>  // __assert_fail (glibc), what a device assert calls
@@ -78,8 +79,7 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
 // chain_docs (chain_slots entries, see gdn_fwd.h): the documents with >= 3 segments in
 // order, then -1; walk_queue (if cut): 0, the summaries' first walk.
 __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int64_t T, int seg_chunks,
-                                                            int long_max,
-                                                            int32_t* chunk_offsets, int32_t* seg_offsets,
+                                                            int long_max, int32_t* chunk_offsets, int32_t* seg_offsets,
                                                             int32_t* chain_docs, int32_t chain_slots,
                                                             int32_t* walk_queue) {
   __shared__ int32_t warp_sums[3][32];
