@@ -4,7 +4,7 @@ Checked against the FP64 token-by-token reference (the accuracy contract of DESI
 §2) under NaN-poisoned allocation, stage by stage (the prep op's A diag(beta), gcum and chunk_decay
 against the PyTorch chunked algorithm, then o and the final state), plus bitwise
 determinism, CUDA-graph capture, the walk cut into segments (summaries, chain, walk;
-exact and truncated cuts; the deterministic grid) and the six benchmark shapes (first and last document
+exact and truncated cuts; the deterministic grid; the same bits on 16 and 64 SMs) and the six benchmark shapes (first and last document
 against FP64). Every test is marked ``gpu`` and skipped without a Hopper GPU.
 """
 
