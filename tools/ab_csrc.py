@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """A/B the CUDA sources of several revisions in one device call.
 
-Here (with git), export each revision's csrc/ into .ab/ (git-ignored):
+Here (with git), export each revision's csrc/ and tests/ into .ab/ (git-ignored):
 
     python tools/ab_csrc.py export main try/p-one-product try/no-qkn
 
@@ -9,11 +9,12 @@ There (the device, which gets the working tree without .git; carry ".ab"):
 
     python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests] [--trees main,try_x] [--rounds 2]
 
-For each exported tree in the order given: its csrc/ is swapped in, built into
-$CAKE_OPS_CACHE (a key per tree), timed per kernel with tools/gdn_fwd_gpu_check.py
---no-tests (deterministic and non-deterministic plans), and with --tests checked by
-tests/test_gdn_cuda.py; the checkout's own csrc/ is put back at the end, whatever
-happened. A table of each tree's kernel times per shape and plan closes the output,
+For each exported tree in the order given: its csrc/ and tests/ are swapped in, built
+into $CAKE_OPS_CACHE (a key per tree), timed per kernel with tools/gdn_fwd_gpu_check.py
+--no-tests (deterministic and non-deterministic plans), and with --tests checked by the
+tree's own tests/test_gdn_cuda.py (so a branch's new tests run with its kernels; the
+cake_ops package stays the checkout's); the checkout's own csrc/ and tests/ are put back
+at the end, whatever happened. A table of each tree's kernel times per shape and plan closes the output,
 which also goes to $OUT/ab_csrc.log when $OUT is set. Trees are timed one after
 another; with --rounds R the order is palindromic (A B C, C B A, A B C, ...; each tree
 built once, tested on its first visit) and the table gives each tree's mean over the
@@ -34,6 +35,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 AB = ROOT / ".ab"
+SWAPPED = ("csrc", "tests")  # what each exported tree replaces in the checkout while it runs
 LINE = re.compile(r"^(\S+)\s+(det|nd)\s+kernels\s+([\d.]+) ms/call.*\[(.*)\]")
 KERNEL = re.compile(r"F\d+ (\w+) ([\d.]+)")
 
@@ -61,7 +63,7 @@ def export(revs: list[str]) -> None:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", rev)
         dest = AB / name
         dest.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, "csrc"], check=True, capture_output=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *SWAPPED], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
         sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
                              text=True).stdout.strip()
@@ -87,9 +89,9 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
             log.write(text + "\n")
             log.flush()
 
-    csrc = ROOT / "csrc"
-    saved = ROOT / ".ab" / "_checkout_csrc"
-    shutil.copytree(csrc, saved, dirs_exist_ok=False)
+    saved = AB / "_checkout"
+    for part in SWAPPED:
+        shutil.copytree(ROOT / part, saved / part, dirs_exist_ok=False)
     samples: dict[tuple[str, str, str], list[str]] = {}
     failed: list[str] = []
     visits = [entry for r in range(rounds) for entry in (order if r % 2 == 0 else order[::-1])]
@@ -100,8 +102,10 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
                 continue
             first = name not in seen
             seen.add(name)
-            shutil.rmtree(csrc)
-            shutil.copytree(AB / name / "csrc", csrc)
+            for part in SWAPPED:  # (a tree exported without tests/ keeps the checkout's)
+                source = AB / name / part if (AB / name / part).exists() else saved / part
+                shutil.rmtree(ROOT / part)
+                shutil.copytree(source, ROOT / part)
             say(f"===== {name} ({sha})")
             build = subprocess.run([sys.executable, "-m", "cake_ops.build"], cwd=ROOT, capture_output=True, text=True)
             say((build.stdout + build.stderr).strip().splitlines()[-1] if (build.stdout + build.stderr).strip() else "")
@@ -127,8 +131,9 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
                 if pytest.returncode != 0:
                     failed.append(f"{name}: tests")
     finally:
-        shutil.rmtree(csrc)
-        shutil.copytree(saved, csrc)
+        for part in SWAPPED:
+            shutil.rmtree(ROOT / part, ignore_errors=True)
+            shutil.copytree(saved / part, ROOT / part)
         shutil.rmtree(saved)
     say("===== kernel ms per call (each tree: total  [per kernel]" + ("  rounds" if rounds > 1 else "") + ")")
     for shape, plan in sorted({(s, p) for s, p, _ in samples}):
@@ -143,7 +148,7 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("export", help="export the csrc/ of each revision into .ab/ (needs git)")
+    ex = sub.add_parser("export", help="export the csrc/ and tests/ of each revision into .ab/ (needs git)")
     ex.add_argument("revs", nargs="+")
     rn = sub.add_parser("run", help="build, time (and test) each exported tree in turn (needs a Hopper GPU)")
     rn.add_argument("--shapes", default="s64k_h16,s256k_h2,s32k_h16,s16k_long")
