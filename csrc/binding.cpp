@@ -201,13 +201,14 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   const auto f32 = q.options().dtype(at::kFloat);
   const auto bf16 = q.options().dtype(at::kBFloat16);
   const int64_t NC = gdn_fwd_chunk_slots(s.T, s.N);
-  const int64_t NS =
-      seg_chunks > 0 ? gdn_fwd_segment_slots(s.T, s.N, gdn_fwd_finest_cut_chunks(seg_chunks, seg_long_max)) : 0;
+  // Inner segment slots (the segments that are not their document's last): the seg_ workspaces.
+  const int64_t NI =
+      seg_chunks > 0 ? gdn_fwd_inner_segment_slots(s.T, gdn_fwd_finest_cut_chunks(seg_chunks, seg_long_max)) : 0;
   constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
   Carve ws;
   const int64_t chunk_offsets = ws.take((s.N + 1) * 4), seg_offsets = ws.take((s.N + 1) * 4);
-  const int64_t seg_state = ws.take(NS * s.HV * kMatBytes), seg_transfer = ws.take(NS * s.HV * kMatBytes);
-  const int64_t seg_exact = ws.take(NS * s.HV * 4);
+  const int64_t seg_state = ws.take(NI * s.HV * kMatBytes), seg_transfer = ws.take(NI * s.HV * kMatBytes);
+  const int64_t seg_exact = ws.take(NI * s.HV * 4);
   const int64_t chain_docs = ws.take(gdn_fwd_chain_doc_slots(s.T, s.N, seg_chunks) * 4);
   const int64_t walk_queue = ws.take(4);
   c.a_offset = ws.take(NC * s.HV * 64 * 64 * 2);
@@ -239,11 +240,11 @@ GdnFwdCall prepare_gdn_fwd(const GdnShapes& s, const at::Tensor& q, const at::Te
   a.chunk_decay = reinterpret_cast<float*>(base + c.chunk_decay_offset);
   a.qk_lrn = use_qk_l2norm ? reinterpret_cast<float*>(base + qk_lrn) : nullptr;
   a.seg_offsets = reinterpret_cast<int32_t*>(base + seg_offsets);
-  a.seg_state = NS > 0 ? reinterpret_cast<float*>(base + seg_state) : nullptr;
-  a.seg_transfer = NS > 0 ? reinterpret_cast<float*>(base + seg_transfer) : nullptr;
-  a.seg_exact = NS > 0 ? reinterpret_cast<int32_t*>(base + seg_exact) : nullptr;
-  a.chain_docs = NS > 0 ? reinterpret_cast<int32_t*>(base + chain_docs) : nullptr;
-  a.walk_queue = NS > 0 ? reinterpret_cast<int32_t*>(base + walk_queue) : nullptr;
+  a.seg_state = NI > 0 ? reinterpret_cast<float*>(base + seg_state) : nullptr;
+  a.seg_transfer = NI > 0 ? reinterpret_cast<float*>(base + seg_transfer) : nullptr;
+  a.seg_exact = NI > 0 ? reinterpret_cast<int32_t*>(base + seg_exact) : nullptr;
+  a.chain_docs = seg_chunks > 0 ? reinterpret_cast<int32_t*>(base + chain_docs) : nullptr;
+  a.walk_queue = seg_chunks > 0 ? reinterpret_cast<int32_t*>(base + walk_queue) : nullptr;
   a.seg_chunks = seg_chunks;
   a.seg_long_max = seg_long_max;
   a.walk_splits = a.summary_splits = 1;

@@ -58,16 +58,18 @@ namespace cake {
 //   qk_lrn         [NC, H, 2, 64] fp32           log2 of the rows' inverse L2 norms,
 //                                                q then k (only if use_qk_l2norm)
 //   seg_offsets    [N + 1] int32                 first segment slot of each document
-//   seg_state      [NS, HV, 128, 128] fp32       E_s, then the chained start states
-//   seg_transfer   [NS, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
-//   seg_exact      [NS, HV] int32                1: S_start(s + 1) needs M_s; 0: the cut is truncated
+//   seg_state      [NI, HV, 128, 128] fp32       E_s, then the chained start states S_start(s + 1)
+//   seg_transfer   [NI, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
+//   seg_exact      [NI, HV] int32                1: S_start(s + 1) needs M_s; 0: the cut is truncated
 //   chain_docs     [ND] int32                    the documents with a chain (>= 3 segments), in
 //                                                order, then -1 (ND = gdn_fwd_chain_doc_slots)
 //   walk_queue     [1] int32                     the next summary walk to hand out (the plan zeroes it)
-// with NC = ceil(T / 64) + N chunk slots and NS segment slots (gdn_fwd_segment_slots;
-// the seg_ workspaces only when seg_chunks > 0). Launch sizes depend on T, N, H, HV and
-// seg_chunks only (and the SM count, for the persistent summary grid): no host sync, CUDA-graph
-// capturable. Deterministic: fixed reduction orders, no float atomics (an integer one hands
+// with NC = ceil(T / 64) + N chunk slots and NI inner segment slots, the segments that
+// are not their document's last, document n's from index seg_offsets[n] - n on
+// (gdn_fwd_inner_segment_slots; the seg_ workspaces only when seg_chunks > 0: with many
+// short documents NI is far below the segment slots NS = gdn_fwd_segment_slots). Launch
+// sizes depend on T, N, H, HV and seg_chunks only (and the SM count, for the persistent
+// summary grid): no host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no float atomics (an integer one hands
 // out summary walks; which CTA runs a walk does not change its bits).
 struct GdnFwdArgs {
   const void* q;

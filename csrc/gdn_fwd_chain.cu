@@ -44,9 +44,10 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
 
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
   const int k = threadIdx.x;
-  float* state = p.seg_state + (static_cast<int64_t>(first) * p.HV + hv) * kMat;  // segment 0's slot
-  const float* transfer = p.seg_transfer + (static_cast<int64_t>(first) * p.HV + hv) * kMat;
-  const int64_t step = p.HV * kMat;  // from one segment's slot to the next
+  const int64_t inner = first - n;  // segment 0's inner index (the seg_ workspaces hold inner segments)
+  float* state = p.seg_state + (inner * p.HV + hv) * kMat;
+  const float* transfer = p.seg_transfer + (inner * p.HV + hv) * kMat;
+  const int64_t step = p.HV * kMat;  // from one segment's matrix to the next
 
   {
     const float4* e0 = reinterpret_cast<const float4*>(state + k * kGdnHeadDim + col);
@@ -59,7 +60,7 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
 #pragma unroll
     for (int q = 0; q < kQuads; ++q) acc[q] = e[q];
     // A truncated cut (the same flag for the whole CTA): S_start(s + 1) = E_s, in place.
-    if (p.seg_exact[(first + s) * p.HV + hv]) {
+    if (p.seg_exact[(inner + s) * p.HV + hv]) {
       // Row k of M_s (column k of M_s^T), all loads in flight at once: a step then costs
       // one L2 round trip plus its FMAs.
       const float* mt = transfer + s * step + k;

@@ -588,12 +588,14 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdArgs& p, int64_t index) {
       find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max, slot);
   if (w.transfer && sp.seg == 0) return w;
 
-  const int64_t head_state = slot * p.HV + hv;  // this (segment, value head)'s workspace matrix
+  // The seg_ workspaces hold inner segments only, by inner index slot - doc (document n's
+  // first inner segment is seg_offsets[n] - n).
+  const int64_t inner = slot - sp.doc;
   int skip = 0;  // chunks of the segment before the walk starts (summary of a truncated cut)
   if constexpr (!kOutput) {
     const int cw = truncation_start(p.chunk_decay + (p.chunk_offsets[sp.doc] + sp.c0) * p.HV + hv, p.HV, sp.nch);
     if (w.transfer && cw >= 0) return w;  // truncated: the chain needs no M_s
-    if (!w.transfer && w.half == 0 && threadIdx.x == 0) p.seg_exact[head_state] = cw < 0;
+    if (!w.transfer && w.half == 0 && threadIdx.x == 0) p.seg_exact[inner * p.HV + hv] = cw < 0;
     skip = cw > 0 ? cw : 0;
   }
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
@@ -601,10 +603,10 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdArgs& p, int64_t index) {
   if (sp.seg == 0 && !w.transfer && skip == 0) {
     if (p.initial_state != nullptr) w.S0 = p.initial_state + (sp.doc * p.HV + hv) * kMat;
   } else if (kOutput) {
-    w.S0 = p.seg_state + (head_state - p.HV) * kMat;  // the chained start state, in the previous slot
+    w.S0 = p.seg_state + ((inner - 1) * p.HV + hv) * kMat;  // the chained start state: the previous segment's
   }
   if constexpr (kOutput) w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
-  else w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + head_state * kMat;
+  else w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (inner * p.HV + hv) * kMat;
 
   const int c0 = sp.c0 + skip;
   w.nch = sp.nch - skip;

@@ -272,6 +272,31 @@ def test_deterministic_grid_is_finer_for_a_long_document(ops):
     _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd segmented", "long document on the finer deterministic grid")
 
 
+def test_many_short_documents_need_little_segment_workspace(ops):
+    """The segment workspaces (E_s and M_s, 128 KB per segment and value head) hold the
+    inner segments only, at most (ceil(T / 64) - 1) / 32 of them whatever N: 2,048
+    documents of 100 tokens at HV = 16 (deterministic plan, finest grid 32 chunks) need
+    200 MB of them. With a pair per segment slot (NC / 32 + N) it was 4.6 GB. The call's
+    peak allocation beyond its inputs must be the outputs plus the workspace parts."""
+    lengths, H, HV = [100] * 2048, 4, 16
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=47)
+    T, N = sum(lengths), len(lengths)
+    NC = -(-T // 64) + N
+    NI = (-(-T // 64) - 1) // 32
+    outputs = T * HV * 128 * 2 + N * HV * 128 * 128 * 4
+    per_slot = HV * (64 * 64 * 2 + 64 * 4 + 4) + H * 2 * 64 * 4  # A diag(beta), gcum, chunk_decay, qk_lrn
+    allowed = NC * per_slot + NI * HV * (2 * 128 * 128 * 4 + 4) + 2**20  # + offsets, lists, queue
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with poisoned_allocations():
+        o, ht = _call(ops, inp, True)
+    torch.cuda.synchronize()
+    used = torch.cuda.max_memory_allocated() - base - outputs
+    assert used <= allowed, f"{used / 2**20:.0f} MB of workspace, at most {allowed / 2**20:.0f} MB expected"
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+
+
 def test_segmented_cuda_graph_replay_equals_eager(ops):
     static, l2 = _inputs(SEGMENT_CASES[1], seed=32)
     fresh, _ = _inputs(SEGMENT_CASES[1], seed=33)
