@@ -69,8 +69,9 @@ namespace cake {
 // (gdn_fwd_inner_segment_slots; the seg_ workspaces only when seg_chunks > 0: with many
 // short documents NI is far below the segment slots NS = gdn_fwd_segment_slots). Launch
 // sizes depend on T, N, H, HV and seg_chunks only (and the SM count, for the persistent
-// summary grid): no host sync, CUDA-graph capturable. Deterministic: fixed reduction orders, no float atomics (an integer one hands
-// out summary walks; which CTA runs a walk does not change its bits).
+// summary grid): no host sync, CUDA-graph capturable. Deterministic: fixed reduction
+// orders, no float atomics (an integer one hands out summary walks; which CTA runs a walk
+// does not change its bits).
 struct GdnFwdArgs {
   const void* q;
   const void* k;
