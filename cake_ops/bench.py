@@ -24,6 +24,9 @@ Implements the protocol of BENCH.md in one process on one device:
   medians, > 2 % marks the value unstable (``*``). All cells get their CUDA-event
   timings first and their profiler timings in a second pass: once a profiler session
   has run, CUPTI stays attached and slows launches for the rest of the process.
+- Per kernel: each ``kernel_ms`` sample is also split by kernel (ms per call; repeated
+  names told apart by their rank in the call, ``main_kernel#2``); the JSON row's
+  ``kernels`` holds the medians, ``--kernels`` prints them: which stage costs what.
 - Accuracy: every arm, for every requested op, against the FP64 token-by-token
   reference on a small packed shape (documents of 100 + 64 + 37 tokens, (H, HV) =
   (2, 6), K = V = 128) with the benchmark's own input distribution: o and, with a
@@ -444,6 +447,44 @@ def check_accuracy(arm: Arm, op: str, inp: Inputs, ref_o: torch.Tensor, ref_grad
 # ---------------------------------------------------------------------------- timers
 
 
+def short_kernel_name(name: str) -> str:
+    """A profiler kernel name without return type, namespaces' noise and parameter list."""
+    name = name.strip().replace("(anonymous namespace)::", "")
+    if name.startswith("void "):
+        name = name[5:]
+    depth, cut = 0, len(name)
+    for i, ch in enumerate(name):  # the parameter list: the first "(" outside template brackets
+        depth += ch == "<"
+        depth -= ch == ">"
+        if ch == "(" and depth == 0 and i > 0:
+            cut = i
+            break
+    name = name[:cut]
+    return name if len(name) <= 90 else name[:87] + "..."
+
+
+def kernel_split(launches: Sequence[tuple[str, float]], n: int) -> dict[str, float]:
+    """ms per call of each kernel of n identical calls, from (name, us) in launch order.
+
+    Kernels of one name launched k times a call (TileLang names most of its kernels
+    ``main_kernel``) are told apart by their rank within the call, ``name#j``: the
+    launch's occurrence index modulo k. A name whose count is not a multiple of n keeps
+    one entry.
+    """
+    counts: dict[str, int] = {}
+    for name, _ in launches:
+        counts[name] = counts.get(name, 0) + 1
+    seen: dict[str, int] = {}
+    out: dict[str, float] = {}
+    for name, us in launches:
+        per_call = counts[name] // n if counts[name] % n == 0 else 1
+        j = seen.get(name, 0)
+        seen[name] = j + 1
+        label = short_kernel_name(name) + (f"#{j % per_call}" if per_call > 1 else "")
+        out[label] = out.get(label, 0.0) + us / 1e3 / n
+    return out
+
+
 class Timer:
     """The three timings; CUDA events and the profiler on a GPU, wall-clock otherwise."""
 
@@ -452,6 +493,7 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.flush_buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if self.cuda else None
         self.sessions = 0  # profiler sessions so far in this process
+        self.last_kernels: dict[str, float] = {}  # kernel_ms's last sample, per kernel: ms per call
 
     def sync(self):
         if self.cuda:
@@ -489,8 +531,9 @@ class Timer:
             for _ in range(n):
                 step()
             self.sync()
-        total_us, kernels, pads_seen = 0.0, 0, 0
-        for e in prof.events():
+        total_us, pads_seen, launches = 0.0, 0, []
+        self.last_kernels = {}
+        for e in sorted(prof.events(), key=lambda e: e.time_range.start):
             if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
                 continue
             if "spin_kernel" in e.name:
@@ -500,10 +543,11 @@ class Timer:
             if not 0 <= dur < 600e6:  # a corrupted timestamp
                 return [math.nan]
             total_us += dur
-            kernels += 1
-        if pads_seen == 0 or kernels == 0:
-            print(f"  warning: profiler session kept {pads_seen}/{pads} pads and {kernels} kernels; sample dropped", flush=True)
+            launches.append((e.name, dur))
+        if pads_seen == 0 or not launches:
+            print(f"  warning: profiler session kept {pads_seen}/{pads} pads and {len(launches)} kernels; sample dropped", flush=True)
             return [math.nan]
+        self.last_kernels = kernel_split(launches, n)
         return [total_us / 1e3 / n]
 
     def stream_ms(self, step, n: int) -> list[float]:
@@ -577,7 +621,9 @@ def time_cell(
     cells: dict[str, dict] = {}
     steps = {}
     for arm in arms:
-        cells[arm.name] = {"error": None, "samples": {t: [[] for _ in range(args.groups)] for t in timings}}
+        cells[arm.name] = {
+            "error": None, "samples": {t: [[] for _ in range(args.groups)] for t in timings}, "kernels": [],
+        }
         try:
             leaves, cu, do = arm_args(arm, inp)
             steps[arm.name] = make_step(arm, op, leaves, cu, do)
@@ -598,11 +644,21 @@ def time_cell(
             try:
                 for t in timings:
                     cell["samples"][t][grp] += getattr(timer, t)(steps[arm.name], n)
+                    if t == "kernel_ms" and timer.last_kernels:
+                        cell["kernels"].append(timer.last_kernels)
             except Exception as e:
                 cell["error"] = _err(e)
                 print(f"  {shape.name} {op} {arm.name}: failed while timing: {_err(e)}", flush=True)
     steps.clear()
     return cells
+
+
+def median_split(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Per kernel, the median over samples of its ms per call (0 where a sample lacks it);
+    the largest first."""
+    names = {k for sample in samples for k in sample}
+    med = {k: statistics.median(sample.get(k, 0.0) for sample in samples) for k in names}
+    return dict(sorted(med.items(), key=lambda kv: -kv[1]))
 
 
 def summarize(samples: list[list[float]]) -> tuple[float, float, list[float]]:
@@ -700,6 +756,8 @@ def run(args) -> dict:
                     row = rows[(shape.name, op, name)]
                     row["error"] = cell["error"]
                     row["samples"].update(cell["samples"])
+                    if cell["kernels"]:
+                        row["kernels"] = median_split(cell["kernels"])
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             del inp
@@ -761,6 +819,26 @@ def format_table(report: dict) -> str:
     return "\n".join(out + notes)
 
 
+def format_kernels(report: dict, min_share: float = 0.01) -> str:
+    """Each timed row's kernels (median ms per call, largest first; those under min_share
+    of the row's kernel_ms are summed as "other"): which stage costs what, every arm."""
+    out = ["kernels per call (ms; median over the kernel_ms samples):"]
+    for row in report["results"]:
+        split, total = row.get("kernels"), row.get("kernel_ms")
+        if not split or not total:
+            continue
+        out.append(f"{row['shape']} {row['op']} {row['arm']}  (kernel_ms {total:.3f})")
+        other = 0.0
+        for name, ms in split.items():
+            if ms >= min_share * total:
+                out.append(f"  {ms:8.3f}  {name}")
+            else:
+                other += ms
+        if other:
+            out.append(f"  {other:8.3f}  other")
+    return "\n".join(out)
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cake_ops.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", help=f"comma list; default all of {','.join(SHAPES)} (--quick: {','.join(QUICK_SHAPES)})")
@@ -773,6 +851,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="write the report here (allow_nan=False; non-finite -> null)")
+    p.add_argument("--kernels", action="store_true", help="also print each row's per-kernel times (always in the JSON)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few calls: a smoke test that also runs on a CPU")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
@@ -802,6 +881,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
     report = run(args)
     print(format_table(report), flush=True)
+    if args.kernels:
+        print(format_kernels(report), flush=True)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:

@@ -93,6 +93,38 @@ def test_table_marks_unstable_and_wall_clock():
     assert any("NO CUDA" in line for line in lines)
 
 
+def test_kernel_names_are_shortened():
+    assert bench.short_kernel_name(
+        "void cake::(anonymous namespace)::gdn_fwd_walk_kernel<true, 2>(cake::GdnFwdArgs, cake::WalkMaps)"
+    ) == "cake::gdn_fwd_walk_kernel<true, 2>"
+    assert bench.short_kernel_name("main_kernel") == "main_kernel"
+    assert bench.short_kernel_name("void f<(int)3>(float*)") == "f<(int)3>"
+    assert len(bench.short_kernel_name("k" * 200)) == 90
+
+
+def test_kernel_split_tells_repeated_names_apart_by_rank():
+    # Two calls of: main_kernel (1 us), prep (2 us), main_kernel (4 us); plus one stray copy.
+    call = [("main_kernel", 1.0), ("void prep(int)", 2.0), ("main_kernel", 4.0)]
+    split = bench.kernel_split(call + call + [("Memcpy DtoD", 6.0)], n=2)
+    assert split == pytest.approx({"main_kernel#0": 1e-3, "prep": 2e-3, "main_kernel#1": 4e-3, "Memcpy DtoD": 3e-3})
+    assert sum(split.values()) == pytest.approx((2 * 7.0 + 6.0) / 1e3 / 2)
+    # Medians per kernel over samples; a kernel missing from a sample counts 0 there.
+    med = bench.median_split([{"a": 1.0, "b": 3.0}, {"a": 2.0, "b": 5.0}, {"a": 9.0}])
+    assert list(med) == ["b", "a"] and med == {"b": 3.0, "a": 2.0}
+
+
+def test_kernel_table_lists_each_rows_stages():
+    report = {"results": [
+        {"shape": "s", "op": "fwd", "arm": "cake", "kernel_ms": 1.0,
+         "kernels": {"walk": 0.6, "prep": 0.395, "plan": 0.003, "chain": 0.002}},
+        {"shape": "s", "op": "fwd", "arm": "fla", "kernel_ms": None, "error": "x"},
+    ]}
+    lines = bench.format_kernels(report).splitlines()
+    assert lines[1] == "s fwd cake  (kernel_ms 1.000)"
+    assert [line.split()[-1] for line in lines[2:]] == ["walk", "prep", "other"]
+    assert lines[-1].split()[0] == "0.005"
+
+
 def test_quick_run_on_cpu(tmp_path):
     """``--quick`` end to end on the CPU: accuracy against FP64, timings, strict JSON."""
     path = tmp_path / "bench.json"
