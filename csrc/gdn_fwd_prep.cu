@@ -47,15 +47,16 @@
 //   lane; only diagonal blocks are read back transposed (row stride 20 words: conflict-free
 //   both ways). Output rows go through stmatrix (.trans for the transposed blocks) into
 //   padded staging rows, then out as 16-byte stores, four whole rows per instruction.
-// - Precision: the diagonal solves are fp32 FMA; the merges are 3xTF32 (x = xb + xs,
-//   xy = xb yb + xb ys + xs yb, fp32 accumulate). On CPU-emulated cases (this algorithm,
-//   lane for lane, against fp64) the worst error of A diag(beta), relative to its row's
-//   largest entry, is ~1e-7 for unit keys and ~1e-6 for un-normalised keys (|k|^2 ~ 8, no
-//   decay), as with the fp32 FMA merges before; plain tf32 (operands truncated, as the
-//   hardware reads them) gave 2e-4 and 6e-3, the latter above bf16's 2^-8. The split
-//   costs 4 integer/fp32 ops an element (cvt.rna.tf32 alone is 3 on sm_90). A keeps the
-//   fp32 range (un-normalised keys can make it large) and is rounded once, to the bf16
-//   that the walk consumes, after folding in beta.
+// - Precision: the diagonal solves are fp32 FMA. The merges are 3xTF32 for raw keys
+//   (x = xb + xs, xy = xb yb + xb ys + xs yb, fp32 accumulate) and one TF32 product of
+//   operands rounded to nearest for unit keys (use_qk_l2norm). On CPU-emulated cases (this
+//   algorithm, lane for lane, against fp64) the worst error of A diag(beta), relative to
+//   its row's largest entry, was ~1e-7 for unit keys and ~1e-6 for un-normalised keys
+//   (|k|^2 ~ 8, no decay) with 3xTF32; plain tf32 with truncated operands gave 2e-4 and
+//   6e-3, the latter above bf16's 2^-8, the former 10x under the rounding of A to the
+//   bf16 that the walk consumes (2^-9). The split costs 4 integer/fp32 ops an element
+//   and three products where one does. A keeps the fp32 range (un-normalised keys can
+//   make it large) and is rounded once, to bf16, after folding in beta.
 // - Exponents are differences of chunk-local cumsums, clamped to <= 0, so strong decay
 //   (gcum down to -1280 in a chunk) underflows to 0, never to 0 * inf.
 // - Deterministic, bitwise run to run: fixed-order scans and sums, no atomics.
@@ -115,11 +116,14 @@ __device__ __forceinline__ int lane_id() {
   return lane;
 }
 
-// x = big + small, both tf32 (13 low bits zero): big is x rounded to nearest (ties away,
-// as cvt.rna.tf32 but without its inf/NaN guard, which the bit trick does not need), small
-// the exact remainder x - big truncated, so |x - big - small| <= 2^-21 |x|.
+// x rounded to tf32 (13 low bits zero), to nearest with ties away, as cvt.rna.tf32 but
+// without its inf/NaN guard, which the bit trick does not need.
+__device__ __forceinline__ uint32_t round_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
+// x = big + small, both tf32: big = round_tf32(x), small the exact remainder x - big
+// truncated, so |x - big - small| <= 2^-21 |x|.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& small) {
-  big = (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+  big = round_tf32(x);
   small = __float_as_uint(x - __uint_as_float(big)) & 0xffffe000u;
 }
 
@@ -131,21 +135,31 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& sma
 // d += x y, x in the accumulator layout, y given by y^T in the accumulator layout. In k step
 // kt the A fragment's k slot t4 is column 8 kt + 2 t4 of x and slot t4 + 4 column
 // 8 kt + 2 t4 + 1: x's accumulator registers as they are, and then the B fragment (k
-// slots t4, t4 + 4 at n = gid) is exactly y^T's. 3xTF32, see NOTES.
+// slots t4, t4 + 4 at n = gid) is exactly y^T's. 3xTF32 for raw keys, one rounded TF32
+// product for unit keys (see NOTES).
+template <bool kUnitKeys>
 __device__ __forceinline__ void mma_tile(Tile& d, const Tile& x, const Tile& yt) {
 #pragma unroll
   for (int kt = 0; kt < 2; ++kt) {
     uint32_t xb[4], xs[4];
 #pragma unroll
-    for (int s = 0; s < 4; ++s) split_tf32(x[kt][(s & 1) * 2 + (s >> 1)], xb[s], xs[s]);  // a0 .. a3
+    for (int s = 0; s < 4; ++s) {  // a0 .. a3
+      const float xe = x[kt][(s & 1) * 2 + (s >> 1)];
+      if constexpr (kUnitKeys) xb[s] = round_tf32(xe);
+      else split_tf32(xe, xb[s], xs[s]);
+    }
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      uint32_t yb0, ys0, yb1, ys1;
-      split_tf32(yt[kt][2 * nt], yb0, ys0);
-      split_tf32(yt[kt][2 * nt + 1], yb1, ys1);
-      mma::mma_tf32(d[nt], xs, yb0, yb1);
-      mma::mma_tf32(d[nt], xb, ys0, ys1);
-      mma::mma_tf32(d[nt], xb, yb0, yb1);
+      if constexpr (kUnitKeys) {
+        mma::mma_tf32(d[nt], xb, round_tf32(yt[kt][2 * nt]), round_tf32(yt[kt][2 * nt + 1]));
+      } else {
+        uint32_t yb0, ys0, yb1, ys1;
+        split_tf32(yt[kt][2 * nt], yb0, ys0);
+        split_tf32(yt[kt][2 * nt + 1], yb1, ys1);
+        mma::mma_tf32(d[nt], xs, yb0, yb1);
+        mma::mma_tf32(d[nt], xb, ys0, ys1);
+        mma::mma_tf32(d[nt], xb, yb0, yb1);
+      }
     }
   }
 }
@@ -292,6 +306,7 @@ __device__ __forceinline__ void form_l(const float4* s_kk, const float* gc, cons
 // 64 gcum and beta values (shared memory). W is a runtime value and the rounds a loop, so
 // that the four warps run one copy of the code: with a copy per block row (6600 SASS
 // instructions in all) 14 % of the prep's stall samples were instruction-cache misses.
+template <bool kUnitKeys>
 __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const float* gc, const float* beta,
                                                  __nv_bfloat16* a_out, int W) {
   const int lane = lane_id();
@@ -322,10 +337,10 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
       if (K == J) load_diag_transposed(s.diag + J * 16 * kDiagLd, x, lane);
       else load_frag(s.off + (J + K - 1) * 64, x, lane);
       form_l(s.kk, gc, beta, W, K, l, lane);
-      mma_tile(tt[J], x, l);
+      mma_tile<kUnitKeys>(tt[J], x, l);
       if (K == W - 1) {
         float at[2][4] = {};
-        mma_tile(at, tt[J], a);
+        mma_tile<kUnitKeys>(at, tt[J], a);
 #pragma unroll
         for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -479,6 +494,8 @@ __device__ __forceinline__ void write_chunk_decay(float* out, const float* gc, c
   if (lane == 0) *out = contraction ? gc[kGdnChunk - 1] : __int_as_float(0x7f800000);
 }
 
+// kUnitKeys = p.use_qk_l2norm: q and k rows are normalised here (and in the walk).
+template <bool kUnitKeys>
 __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
   __shared__ float s_gc[kGateHeads][64];
@@ -502,16 +519,16 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   copy_rows(static_cast<const __nv_bfloat16*>(p.k), smem + kKTile, pos, p.H, h);
   mma::cp_async_commit();
   RowChunks raw;
-  if (p.use_qk_l2norm) rows_from_global(static_cast<const __nv_bfloat16*>(p.q), raw, pos, p.H, h);
+  if constexpr (kUnitKeys) rows_from_global(static_cast<const __nv_bfloat16*>(p.q), raw, pos, p.H, h);
   load_gates(p, pos, slot, static_cast<int64_t>(h) * G, G < kGateHeads ? G : kGateHeads, s_gc, s_beta);
 
   // 2. The rows' norms, when normalised: q's and k's for the walk; k's also for K K^T
   //    (kn_i . kn_j = rk_i rk_j (k_i . k_j)).
-  float* lrn = p.use_qk_l2norm ? p.qk_lrn + (slot * p.H + h) * 128 : nullptr;
-  if (p.use_qk_l2norm) row_norms(raw, lrn, nullptr);
+  float* lrn = kUnitKeys ? p.qk_lrn + (slot * p.H + h) * 128 : nullptr;
+  if constexpr (kUnitKeys) row_norms(raw, lrn, nullptr);
   mma::cp_async_wait_all();
   __syncthreads();
-  if (p.use_qk_l2norm) {
+  if constexpr (kUnitKeys) {
     rows_from_smem(smem + kKTile, raw);
     row_norms(raw, lrn + 64, s_rk);
     __syncthreads();
@@ -538,7 +555,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
         }
       }
     }
-    if (p.use_qk_l2norm) {
+    if constexpr (kUnitKeys) {
       const int gid = lane >> 2, t4 = lane & 3;
 #pragma unroll
       for (int jt = 0; jt < 8; ++jt)
@@ -583,7 +600,7 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
                                     s_gc[warp], s_beta[warp], s_knorm2);
     for (int gl = 0; gl < n; ++gl) {
       __nv_bfloat16* a_out = a_first + (g0 + gl) * 64 * 64;
-      invert_block_row(s, s_gc[gl], s_beta[gl], a_out, warp);
+      invert_block_row<kUnitKeys>(s, s_gc[gl], s_beta[gl], a_out, warp);
     }
   }
 }
@@ -593,7 +610,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.T == 0 || p.H == 0) return cudaSuccess;
   const int64_t blocks = gdn_fwd_chunk_slots(p.T, p.N) * p.H;
-  gdn_fwd_prep_kernel<<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
+  if (p.use_qk_l2norm) gdn_fwd_prep_kernel<true><<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
+  else gdn_fwd_prep_kernel<false><<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
