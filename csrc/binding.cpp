@@ -291,6 +291,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
   const int seg_long_max = segment_chunks >= 0 ? 0 : gdn_fwd_choose_segment_long_max(s.HV, deterministic);
   GdnFwdCall c = prepare_gdn_fwd(s, q, k, &v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, seg_chunks,
                                  seg_long_max);
+  c.args.sm_count = sm_count;
   if (value_splits > 0) c.args.walk_splits = c.args.summary_splits = static_cast<int>(value_splits);
   else gdn_fwd_choose_value_splits(c.args, sm_count);
   const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());

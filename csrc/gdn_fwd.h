@@ -100,6 +100,7 @@ struct GdnFwdArgs {
   int seg_long_max;  // documents of 4 seg_chunks .. seg_long_max chunks are cut every seg_chunks / 2 (0: none)
   int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)
   int summary_splits;  // the same for the summaries; the bits are the same either way
+  int sm_count;        // the device's SMs: the persistent summary grid's size bound
   float scale;
   bool use_qk_l2norm;
 };

@@ -713,11 +713,8 @@ cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t st
   int64_t blocks = items * p.HV * (kOutput ? 1 : 2) * (3 - kStateWgs);
   if (blocks == 0) return cudaSuccess;
   if constexpr (!kOutput) {  // persistent: at most one CTA per SM (the kernel's occupancy)
-    int device = 0, sms = 0;
-    err = cudaGetDevice(&device);
-    if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (err != cudaSuccess) return err;
-    blocks = std::min<int64_t>(blocks, sms);
+    if (p.sm_count <= 0) return cudaErrorInvalidValue;
+    blocks = std::min<int64_t>(blocks, p.sm_count);
   }
   WalkMaps maps;
   err = encode_walk_maps(p, maps);
