@@ -27,6 +27,13 @@
 //   it 1.5 % slower. The row norms by a transposing butterfly (row_norms: 8 shuffles and
 //   one log and rsqrt a lane, where a reduction per row took 32 and eight) made the
 //   prep 7-8 % faster (s64k_h16 0.394 -> 0.361 ms, s256k_h2 0.250 -> 0.233).
+//   ncu at s64k_h16 after the unit-key TF32 merges (below): 0.397 ms under ncu, issue
+//   slots 63 % busy, ALU pipe 45 % (the busiest), L1/TEX 76 %, DRAM 43 %, 4.8 of 5 warps
+//   a scheduler active, 1.3 eligible; the gates' strided scalar loads (load_gates: one
+//   value head's g and beta per warp, HV * 4 bytes apart) are 14 % of the L2 sectors
+//   requested beyond the bytes used. Six CTAs per SM (80 registers, 4-20 bytes spilled
+//   in the gate-group path; try/prep-six-ctas) made the prep 2-3 % faster (0.312 ->
+//   0.305 ms at s64k_h16, 0.197 -> 0.191 at s256k_h2), not merged with the spills.
 // - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
 //   G value heads; only the gating, beta and the inverse are per value head.
 // - The inverse A = (I + L)^-1 is blocked 16x16, warp w owning block row w (the rows of
