@@ -1,0 +1,39 @@
+"""tools/prep_merge_precision.py (CPU): the emulated blocked inverse of the prep against
+fp64, the evidence for its merge precision (csrc/gdn_fwd_prep.cu NOTES)."""
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+TOOL = Path(__file__).resolve().parents[1] / "tools" / "prep_merge_precision.py"
+
+
+@pytest.fixture(scope="module")
+def tool():
+    spec = importlib.util.spec_from_file_location("prep_merge_precision", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_round_tf32_keeps_ten_mantissa_bits_to_nearest(tool):
+    x = np.array([1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-11, 1.0 + 2.0**-11 + 2.0**-20, -3.0 - 2.0**-12], np.float32)
+    np.testing.assert_array_equal(tool.round_tf32(x), np.array([1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-10, 1.0 + 2.0**-10, -3.0], np.float32))
+
+
+def test_blocked_inverse_in_fp32_is_the_inverse(tool):
+    rng = np.random.default_rng(3)
+    lower = np.tril(rng.uniform(-0.2, 0.2, (64, 64)), -1).astype(np.float32)
+    a = tool.blocked_inverse(lower, lambda x: x)
+    np.testing.assert_allclose(a @ (np.eye(64) + lower), np.eye(64), atol=1e-5)
+
+
+def test_tf32_merges_cost_nothing_for_unit_keys(tool):
+    """After A's rounding to bf16, one TF32 product per merge (unit keys' path) is as
+    accurate as fp32 merges (raw keys' 3xTF32), and both sit at bf16's level."""
+    worst = tool.worst_errors("unit", chunks=4, decay=0.1)
+    (rel32, max32), (rel_tf, max_tf) = worst["fp32"], worst["tf32"]
+    assert rel32 < 2.5e-3 and max32 < 3e-3
+    assert rel_tf <= 1.02 * rel32 and max_tf <= 1.02 * max32

@@ -1,0 +1,86 @@
+#!/usr/bin/env python
+"""Error of the prep's A diag(beta) by the precision of its blocked inverse's merges.
+
+    python tools/prep_merge_precision.py [--chunks 20] [--decay 0.1]   # CPU, a few seconds
+
+The prep (csrc/gdn_fwd_prep.cu) forms A = (I + L)^-1 of a chunk blocked 16 x 16: the
+diagonal blocks in fp32 FMA, then A_WJ = -A_WW sum_K L_WK A_KJ on tensor cores. This
+emulates that order (diagonal blocks exact, merges with their operands as the tensor
+cores take them, fp32 sums), folds in beta and rounds to bf16 as the walk reads it, and
+prints the error against fp64 for unit keys (use_qk_l2norm) and raw keys (|k|^2 = 8),
+with merges in fp32 (what 3xTF32 gives) and with operands rounded to TF32 (one product).
+The rounding of A to bf16 sets the floor; a merge precision that stays at it costs
+nothing. Random chunks: k ~ N(0, 1) rows, beta ~ U(0, 1), g = -decay |N(0, 1)|.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import torch
+
+
+def round_tf32(x: np.ndarray) -> np.ndarray:
+    """To nearest TF32 (10 mantissa bits), ties away: the prep's round_tf32."""
+    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+
+
+def blocked_inverse(lower: np.ndarray, operand) -> np.ndarray:
+    """(I + lower)^-1 for a strictly lower 64 x 64 fp32 matrix, in the prep's order."""
+    a = np.zeros((64, 64), np.float32)
+    blk = [slice(16 * w, 16 * w + 16) for w in range(4)]
+    for w in range(4):
+        a[blk[w], blk[w]] = np.linalg.inv(np.eye(16) + lower[blk[w], blk[w]].astype(np.float64)).astype(np.float32)
+    for w in range(1, 4):
+        for j in range(w):
+            t = np.zeros((16, 16), np.float32)
+            for k in range(j, w):
+                t += operand(lower[blk[w], blk[k]]) @ operand(a[blk[k], blk[j]])
+            a[blk[w], blk[j]] = -(operand(a[blk[w], blk[w]]) @ operand(t))
+    return a
+
+
+def errors(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    """(rel-RMS, max-abs / max |ref|), as cake_ops.testing.accuracy."""
+    err = x - ref
+    return float(np.linalg.norm(err) / np.linalg.norm(ref)), float(np.abs(err).max() / np.abs(ref).max())
+
+
+MERGES = {"fp32": lambda x: x, "tf32": round_tf32}
+
+
+def worst_errors(keys: str, chunks: int, decay: float, seed: int = 0) -> dict[str, tuple[float, float]]:
+    """Per merge precision, the worst (rel-RMS, max-abs ratio) of A diag(beta) in bf16
+    over `chunks` random chunks; keys "unit" or "raw"."""
+    rng = np.random.default_rng(seed)
+    worst = {name: (0.0, 0.0) for name in MERGES}
+    for _ in range(chunks):
+        k = rng.standard_normal((64, 128))
+        k = k / np.linalg.norm(k, axis=1, keepdims=True) if keys == "unit" else k * np.sqrt(8 / 128)
+        beta = rng.uniform(0, 1, 64)
+        gcum = np.cumsum(-decay * np.abs(rng.standard_normal(64)))
+        gates = np.exp(np.minimum(gcum[:, None] - gcum[None, :], 0))
+        lower = np.tril(beta[:, None] * gates * (k @ k.T), -1).astype(np.float32)
+        ref = np.linalg.inv(np.eye(64) + lower.astype(np.float64)) * beta[None, :]
+        for name, operand in MERGES.items():
+            a = blocked_inverse(lower, operand) * beta[None, :].astype(np.float32)
+            a_bf16 = torch.from_numpy(a).to(torch.bfloat16).double().numpy()
+            worst[name] = tuple(max(w, e) for w, e in zip(worst[name], errors(a_bf16, ref)))
+    return worst
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--chunks", type=int, default=20)
+    p.add_argument("--decay", type=float, default=0.1, help="scale of -g per token (0: no decay, the hardest case)")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    for keys in ("unit", "raw"):
+        for name, (rel, mx) in worst_errors(keys, args.chunks, args.decay, args.seed).items():
+            print(f"{keys} keys, {name} merges: A diag(beta) in bf16, worst rel-RMS {rel:.2e}, max-abs ratio {mx:.2e}")
+
+
+if __name__ == "__main__":
+    main()
