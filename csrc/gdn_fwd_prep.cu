@@ -62,8 +62,8 @@
 //   (|k|^2 ~ 8, no decay) with 3xTF32; plain tf32 with truncated operands gave 2e-4 and
 //   6e-3, the latter above bf16's 2^-8, the former 10x under the rounding of A to the
 //   bf16 that the walk consumes (2^-9). After that rounding (tools/prep_merge_precision.py,
-//   20 random chunks against fp64, rel-RMS): unit keys 1.71e-3 with fp32 or rounded-TF32
-//   merges alike; raw keys without decay 1.82e-3 (fp32) and 1.94e-3 (TF32). The split
+//   20 random chunks against fp64, rel-RMS): unit keys 1.76e-3 with fp32 or rounded-TF32
+//   merges alike; raw keys without decay 1.81e-3 (fp32) and 2.41e-3 (TF32). The split
 //   costs 4 integer/fp32 ops an element and three products where one does. A keeps the fp32 range (un-normalised keys can
 //   make it large) and is rounded once, to bf16, after folding in beta. The single product
 //   made the prep 13-16 % faster (ms, one tools/ab_csrc.py call with --rounds 2:

@@ -4,8 +4,8 @@ fp64, the evidence for its merge precision (csrc/gdn_fwd_prep.cu NOTES)."""
 import importlib.util
 from pathlib import Path
 
-import numpy as np
 import pytest
+import torch
 
 TOOL = Path(__file__).resolve().parents[1] / "tools" / "prep_merge_precision.py"
 
@@ -19,15 +19,16 @@ def tool():
 
 
 def test_round_tf32_keeps_ten_mantissa_bits_to_nearest(tool):
-    x = np.array([1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-11, 1.0 + 2.0**-11 + 2.0**-20, -3.0 - 2.0**-12], np.float32)
-    np.testing.assert_array_equal(tool.round_tf32(x), np.array([1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-10, 1.0 + 2.0**-10, -3.0], np.float32))
+    x = torch.tensor([1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-11, 1.0 + 2.0**-11 + 2.0**-20, -3.0 - 2.0**-12])
+    want = torch.tensor([1.0, 1.0 + 2.0**-10, 1.0 + 2.0**-10, 1.0 + 2.0**-10, -3.0])
+    assert torch.equal(tool.round_tf32(x), want)
 
 
 def test_blocked_inverse_in_fp32_is_the_inverse(tool):
-    rng = np.random.default_rng(3)
-    lower = np.tril(rng.uniform(-0.2, 0.2, (64, 64)), -1).astype(np.float32)
+    gen = torch.Generator().manual_seed(3)
+    lower = torch.tril(torch.rand(64, 64, generator=gen) * 0.4 - 0.2, -1)
     a = tool.blocked_inverse(lower, lambda x: x)
-    np.testing.assert_allclose(a @ (np.eye(64) + lower), np.eye(64), atol=1e-5)
+    torch.testing.assert_close(a @ (torch.eye(64) + lower), torch.eye(64), atol=1e-5, rtol=0)
 
 
 def test_tf32_merges_cost_nothing_for_unit_keys(tool):

@@ -17,35 +17,37 @@ from __future__ import annotations
 
 import argparse
 
-import numpy as np
 import torch
 
-
-def round_tf32(x: np.ndarray) -> np.ndarray:
-    """To nearest TF32 (10 mantissa bits), ties away: the prep's round_tf32."""
-    bits = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
-    return ((bits + np.uint32(0x1000)) & np.uint32(0xFFFFE000)).view(np.float32)
+F32, F64 = torch.float32, torch.float64
 
 
-def blocked_inverse(lower: np.ndarray, operand) -> np.ndarray:
+def round_tf32(x: torch.Tensor) -> torch.Tensor:
+    """To nearest TF32 (10 mantissa bits), ties away: the prep's round_tf32 (fp32 in, fp32 out)."""
+    bits = x.to(F32).contiguous().view(torch.int32)
+    return ((bits + 0x1000) & -0x2000).view(F32)  # -0x2000 = 0xffffe000 as int32
+
+
+def blocked_inverse(lower: torch.Tensor, operand) -> torch.Tensor:
     """(I + lower)^-1 for a strictly lower 64 x 64 fp32 matrix, in the prep's order."""
-    a = np.zeros((64, 64), np.float32)
+    a = torch.zeros(64, 64, dtype=F32)
     blk = [slice(16 * w, 16 * w + 16) for w in range(4)]
+    eye = torch.eye(16, dtype=F64)
     for w in range(4):
-        a[blk[w], blk[w]] = np.linalg.inv(np.eye(16) + lower[blk[w], blk[w]].astype(np.float64)).astype(np.float32)
+        a[blk[w], blk[w]] = torch.linalg.inv(eye + lower[blk[w], blk[w]].to(F64)).to(F32)
     for w in range(1, 4):
         for j in range(w):
-            t = np.zeros((16, 16), np.float32)
+            t = torch.zeros(16, 16, dtype=F32)
             for k in range(j, w):
                 t += operand(lower[blk[w], blk[k]]) @ operand(a[blk[k], blk[j]])
             a[blk[w], blk[j]] = -(operand(a[blk[w], blk[w]]) @ operand(t))
     return a
 
 
-def errors(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+def errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
     """(rel-RMS, max-abs / max |ref|), as cake_ops.testing.accuracy."""
     err = x - ref
-    return float(np.linalg.norm(err) / np.linalg.norm(ref)), float(np.abs(err).max() / np.abs(ref).max())
+    return (err.norm() / ref.norm()).item(), (err.abs().max() / ref.abs().max()).item()
 
 
 MERGES = {"fp32": lambda x: x, "tf32": round_tf32}
@@ -54,20 +56,19 @@ MERGES = {"fp32": lambda x: x, "tf32": round_tf32}
 def worst_errors(keys: str, chunks: int, decay: float, seed: int = 0) -> dict[str, tuple[float, float]]:
     """Per merge precision, the worst (rel-RMS, max-abs ratio) of A diag(beta) in bf16
     over `chunks` random chunks; keys "unit" or "raw"."""
-    rng = np.random.default_rng(seed)
+    gen = torch.Generator().manual_seed(seed)
     worst = {name: (0.0, 0.0) for name in MERGES}
     for _ in range(chunks):
-        k = rng.standard_normal((64, 128))
-        k = k / np.linalg.norm(k, axis=1, keepdims=True) if keys == "unit" else k * np.sqrt(8 / 128)
-        beta = rng.uniform(0, 1, 64)
-        gcum = np.cumsum(-decay * np.abs(rng.standard_normal(64)))
-        gates = np.exp(np.minimum(gcum[:, None] - gcum[None, :], 0))
-        lower = np.tril(beta[:, None] * gates * (k @ k.T), -1).astype(np.float32)
-        ref = np.linalg.inv(np.eye(64) + lower.astype(np.float64)) * beta[None, :]
+        k = torch.randn(64, 128, generator=gen, dtype=F64)
+        k = k / k.norm(dim=1, keepdim=True) if keys == "unit" else k * (8 / 128) ** 0.5
+        beta = torch.rand(64, generator=gen, dtype=F64)
+        gcum = torch.cumsum(-decay * torch.randn(64, generator=gen, dtype=F64).abs(), 0)
+        gates = torch.exp(torch.clamp(gcum[:, None] - gcum[None, :], max=0))
+        lower = torch.tril(beta[:, None] * gates * (k @ k.T), -1).to(F32)
+        ref = torch.linalg.inv(torch.eye(64, dtype=F64) + lower.to(F64)) * beta[None, :]
         for name, operand in MERGES.items():
-            a = blocked_inverse(lower, operand) * beta[None, :].astype(np.float32)
-            a_bf16 = torch.from_numpy(a).to(torch.bfloat16).double().numpy()
-            worst[name] = tuple(max(w, e) for w, e in zip(worst[name], errors(a_bf16, ref)))
+            a = blocked_inverse(lower, operand) * beta[None, :].to(F32)
+            worst[name] = tuple(max(w, e) for w, e in zip(worst[name], errors(a.to(torch.bfloat16).to(F64), ref)))
     return worst
 
 
