@@ -64,10 +64,11 @@
 //   bf16 that the walk consumes (2^-9). After that rounding (tools/prep_merge_precision.py,
 //   20 random chunks against fp64, rel-RMS): unit keys 1.76e-3 with fp32 or rounded-TF32
 //   merges alike; raw keys without decay 1.81e-3 (fp32) and 2.41e-3 (TF32). The split
-//   costs 4 integer/fp32 ops an element and three products where one does. A keeps the fp32 range (un-normalised keys can
-//   make it large) and is rounded once, to bf16, after folding in beta. The single product
-//   made the prep 13-16 % faster (ms, one tools/ab_csrc.py call with --rounds 2:
-//   s64k_h16 0.359 -> 0.311, s256k_h2 0.233 -> 0.196, s32k_h16 0.231 -> 0.197).
+//   costs 4 integer/fp32 ops an element and three products where one does. A keeps the
+//   fp32 range (un-normalised keys can make it large) and is rounded once, to bf16, after
+//   folding in beta. The single product made the prep 13-16 % faster (ms, one
+//   tools/ab_csrc.py call with --rounds 2: s64k_h16 0.359 -> 0.311, s256k_h2 0.233 ->
+//   0.196, s32k_h16 0.231 -> 0.197).
 // - Exponents are differences of chunk-local cumsums, clamped to <= 0, so strong decay
 //   (gcum down to -1280 in a chunk) underflows to 0, never to 0 * inf.
 // - Deterministic, bitwise run to run: fixed-order scans and sums, no atomics.
