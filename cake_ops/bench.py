@@ -44,9 +44,12 @@ split truncates its warm-up by the decay it sees, so the gate changes its times.
 
 Every arm gets the inputs in its own layout (cake: packed ``[T, ...]``; FLA and
 FlashQLA: ``[1, T, ...]`` views of the same storage), made before timing, and its
-output is never indexed or copied inside a timed region (KERNELS.md §1.9). The
-same ``cu_seqlens`` tensor (int32) is passed on every call, so the peers' host-side
-caches keyed on it hit, as they do in every layer of a training step but the first.
+output is never indexed or copied inside a timed region (KERNELS.md §1.9). By default
+the same ``cu_seqlens`` tensor (int32) is passed on every call, so the peers' host-side
+caches keyed on it hit, as they do in every layer of a training step but the first;
+``--cu-seqlens fresh`` cycles through distinct copies (made before timing, more than
+the peers' caches hold), so every call is a step's first layer: the peers read
+``cu_seqlens`` on the host, a sync, and rebuild what they cache.
 
 Usage (BENCH.md): ``python -m cake_ops.bench --shapes s32k_h16 --json out/s32k_h16.json``;
 ``--quick`` is a smoke test (tiny shapes, two calls) that also runs on a CPU. TileLang
@@ -60,6 +63,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import itertools
 import json
 import math
 import os
@@ -78,6 +82,7 @@ from torch.utils.checkpoint import checkpoint
 CHUNK = 64
 UNSTABLE_DRIFT = 0.02
 L2_FLUSH_BYTES = 256 << 20
+FRESH_CU_SEQLENS = 8  # copies cycled with --cu-seqlens fresh: FLA's and FlashQLA's tensor caches hold 4
 SLOW_ARM_CALLS = 2  # calls per appearance for arms marked slow (the torch arm)
 # Whole fwd+bwd step (forward, backward, backward's state recompute) over the forward
 # alone, KERNELS.md §3.1 ("≈ 43-45 MFLOP per head-chunk, ≈ 3.9x the forward").
@@ -377,19 +382,25 @@ def arm_args(arm: Arm, inp: Inputs) -> tuple[list[torch.Tensor], torch.Tensor, t
     return leaves, inp.cu_seqlens, do
 
 
-def make_step(arm: Arm, op: str, leaves: list[torch.Tensor], cu: torch.Tensor, do: torch.Tensor):
+def make_step(
+    arm: Arm, op: str, leaves: list[torch.Tensor], cu: torch.Tensor, do: torch.Tensor, fresh_cu: bool = False
+):
     """One call of ``op``; returns (o, grads-or-None). Nothing but the op runs inside.
 
     Gradients come from ``torch.autograd.grad``, so no ``.grad`` accumulation kernels.
+    fresh_cu: each call takes the next of FRESH_CU_SEQLENS copies of ``cu`` in turn.
     """
     fn = arm.fn
+    cus = [cu.clone() for _ in range(FRESH_CU_SEQLENS)] if fresh_cu else [cu]
+    turn = itertools.count()
 
     def step():
+        cu_call = cus[next(turn) % len(cus)]
         with torch.enable_grad():
             if op == "ckpt":
-                o = checkpoint(fn, *leaves, cu, use_reentrant=False)
+                o = checkpoint(fn, *leaves, cu_call, use_reentrant=False)
             else:
-                o = fn(*leaves, cu)
+                o = fn(*leaves, cu_call)
             grads = torch.autograd.grad(o, leaves, do) if op != "fwd" else None
         return o, grads
 
@@ -626,7 +637,7 @@ def time_cell(
         }
         try:
             leaves, cu, do = arm_args(arm, inp)
-            steps[arm.name] = make_step(arm, op, leaves, cu, do)
+            steps[arm.name] = make_step(arm, op, leaves, cu, do, fresh_cu=args.cu_seqlens == "fresh")
             for _ in range(args.warmup):
                 steps[arm.name]()
             timer.sync()
@@ -689,6 +700,7 @@ def run(args) -> dict:
             "gate": args.gate,
             "seed": args.seed,
             "cu_seqlens_dtype": "int32",
+            "cu_seqlens": args.cu_seqlens,
             "unstable_drift": UNSTABLE_DRIFT,
             "fwdbwd_over_fwd_flop": FWDBWD_OVER_FWD,
             "versions": {d: _dist_version(d) for d in ("cake-ops", "fla-core", "flash-qla", "tilelang", "triton")},
@@ -701,7 +713,7 @@ def run(args) -> dict:
 
     rate = matmul_tflops(device)
     meta["matmul_tflops"] = rate
-    print(f"device {meta['device']} | torch {torch.__version__} | bf16 matmul {rate:.3g} TFLOP/s | gate {args.gate}", flush=True)
+    print(f"device {meta['device']} | torch {torch.__version__} | bf16 matmul {rate:.3g} TFLOP/s | gate {args.gate} | cu_seqlens {args.cu_seqlens}", flush=True)
 
     arms = load_arms(args.arms, device)
     for arm in arms:
@@ -849,6 +861,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, help="warm-up calls per arm and cell (default 3; --quick 1)")
     p.add_argument("--gate", default="mamba", choices=("mamba", "logsigmoid"), help="distribution of g (see the module doc)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--cu-seqlens", default="same", choices=("same", "fresh"),
+        help="same tensor every call (default: a training step's later layers) or fresh copies (its first layer)",
+    )
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", metavar="PATH", help="write the report here (allow_nan=False; non-finite -> null)")
     p.add_argument("--kernels", action="store_true", help="also print each row's per-kernel times (always in the JSON)")

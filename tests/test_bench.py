@@ -4,6 +4,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from cake_ops import bench
 
@@ -123,6 +124,36 @@ def test_kernel_table_lists_each_rows_stages():
     assert lines[1] == "s fwd cake  (kernel_ms 1.000)"
     assert [line.split()[-1] for line in lines[2:]] == ["walk", "prep", "other"]
     assert lines[-1].split()[0] == "0.005"
+
+
+def test_fresh_cu_seqlens_are_new_tensors_each_call():
+    """--cu-seqlens fresh: every call passes another tensor object with the same values,
+    more of them than the peers' identity-keyed caches hold (4), so those caches miss;
+    by default the one tensor is passed every time."""
+    seen = []
+
+    def fn(q, k, v, g, beta, cu):
+        seen.append(cu)
+        return q * 2
+
+    arm = bench.Arm("spy", batched=False, fn=fn)
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    leaves = [torch.ones(5, 1, 2, requires_grad=True) for _ in range(5)]
+    step = bench.make_step(arm, "fwd", leaves, cu, torch.ones(5, 1, 2), fresh_cu=True)
+    for _ in range(2 * bench.FRESH_CU_SEQLENS):
+        step()
+    assert bench.FRESH_CU_SEQLENS > 4
+    assert all(torch.equal(c, cu) for c in seen)
+    ids = [id(c) for c in seen]
+    assert len(set(ids)) == bench.FRESH_CU_SEQLENS and all(c is not cu for c in seen)
+    assert all(ids[i] != ids[i + 1] for i in range(len(ids) - 1))
+    assert all(ids[i] == ids[i + bench.FRESH_CU_SEQLENS] for i in range(bench.FRESH_CU_SEQLENS))
+    seen.clear()
+    same = bench.make_step(arm, "fwd", leaves, cu, torch.ones(5, 1, 2))
+    same(), same()
+    assert seen[0] is cu and seen[1] is cu
+    assert bench.parse_args(["--cu-seqlens", "fresh"]).cu_seqlens == "fresh"
+    assert bench.parse_args([]).cu_seqlens == "same"
 
 
 def test_quick_run_on_cpu(tmp_path):
