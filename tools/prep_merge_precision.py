@@ -16,8 +16,13 @@ nothing. Random chunks: k ~ N(0, 1) rows, beta ~ U(0, 1), g = -decay |N(0, 1)|.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cake_ops.testing import accuracy  # noqa: E402
 
 F32, F64 = torch.float32, torch.float64
 
@@ -44,12 +49,6 @@ def blocked_inverse(lower: torch.Tensor, operand) -> torch.Tensor:
     return a
 
 
-def errors(x: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(rel-RMS, max-abs / max |ref|), as cake_ops.testing.accuracy."""
-    err = x - ref
-    return (err.norm() / ref.norm()).item(), (err.abs().max() / ref.abs().max()).item()
-
-
 MERGES = {"fp32": lambda x: x, "tf32": round_tf32}
 
 
@@ -68,7 +67,8 @@ def worst_errors(keys: str, chunks: int, decay: float, seed: int = 0) -> dict[st
         ref = torch.linalg.inv(torch.eye(64, dtype=F64) + lower.to(F64)) * beta[None, :]
         for name, operand in MERGES.items():
             a = blocked_inverse(lower, operand) * beta[None, :].to(F32)
-            worst[name] = tuple(max(w, e) for w, e in zip(worst[name], errors(a.to(torch.bfloat16).to(F64), ref)))
+            acc = accuracy(a.to(torch.bfloat16), ref)
+            worst[name] = (max(worst[name][0], acc.rel_rms), max(worst[name][1], acc.max_abs_ratio))
     return worst
 
 
