@@ -17,8 +17,8 @@
 //   this one (per q/k head, one 512-byte TMA copy beside gcum) measured 0.8-2.5 % faster
 //   net, side by side with the same walk otherwise (tools/ab_csrc.py). k is requested up front with cp.async (no registers held while it
 //   flies), q and the gates are loaded under it; K K^T is parked in shared memory between
-//   value heads; <= 96 registers and 29 KB of shared memory give 5 CTAs (20 warps)
-//   per SM, so other CTAs' loads stay in flight while one CTA inverts. Warming L2 with
+//   value heads; <= 80 registers (raw keys: 96) and 29 KB of shared memory give 6 CTAs
+//   (raw keys: 5) per SM, so other CTAs' loads stay in flight while one CTA inverts. Warming L2 with
 //   the rows of the CTA that starts when this one ends (bulk prefetch, branch
 //   try/prep-prefetch) made the prep 7-11 % slower: its time is not the loads' latency
 //   (ncu at s64k_h16: DRAM 33 % busy, issue 61 %, 17 % of stall samples at the inverse's
@@ -81,7 +81,9 @@ namespace cake {
 namespace {
 
 constexpr int kPrepThreads = 128;  // 4 warps; warp w owns rows 16w .. 16w+15 of the chunk
-constexpr int kPrepCtasPerSm = 5;  // <= 96 registers a thread (~29 KB of shared memory a CTA)
+// CTAs per SM: 6 (<= 80 registers a thread) for unit keys, 5 (<= 96) for raw keys, whose
+// 3xTF32 merges spill at 80; ~29 KB of shared memory a CTA.
+constexpr int prep_ctas_per_sm(bool unit_keys) { return unit_keys ? 6 : 5; }
 constexpr int kGateHeads = 4;      // value heads whose gates are staged at once: one scan per warp
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -510,7 +512,7 @@ __device__ __forceinline__ void write_chunk_decay(float* out, const float* gc_la
 
 // kUnitKeys = p.use_qk_l2norm: q and k rows are normalised here (and in the walk).
 template <bool kUnitKeys>
-__global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
+__global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
   __shared__ float s_gl[kGateHeads][64];  // gcum log2(e)
   __shared__ float s_gc_last[kGateHeads];  // gcum's last value
