@@ -17,8 +17,8 @@
 //   this one (per q/k head, one 512-byte TMA copy beside gcum) measured 0.8-2.5 % faster
 //   net, side by side with the same walk otherwise (tools/ab_csrc.py). k is requested up front with cp.async (no registers held while it
 //   flies), q and the gates are loaded under it; K K^T is parked in shared memory between
-//   value heads; <= 96 registers and 29 KB of shared memory give 5 CTAs (20 warps)
-//   per SM, so other CTAs' loads stay in flight while one CTA inverts. Warming L2 with
+//   value heads; <= 80 registers (raw keys: 96) and 29 KB of shared memory give 6 CTAs
+//   (raw keys: 5) per SM, so other CTAs' loads stay in flight while one CTA inverts. Warming L2 with
 //   the rows of the CTA that starts when this one ends (bulk prefetch, branch
 //   try/prep-prefetch) made the prep 7-11 % slower: its time is not the loads' latency
 //   (ncu at s64k_h16: DRAM 33 % busy, issue 61 %, 17 % of stall samples at the inverse's
@@ -84,7 +84,9 @@ namespace cake {
 namespace {
 
 constexpr int kPrepThreads = 128;  // 4 warps; warp w owns rows 16w .. 16w+15 of the chunk
-constexpr int kPrepCtasPerSm = 5;  // <= 96 registers a thread (~29 KB of shared memory a CTA)
+// CTAs per SM: 6 (<= 80 registers a thread) for unit keys, 5 (<= 96) for raw keys, whose
+// 3xTF32 merges spill at 80; ~29 KB of shared memory a CTA.
+constexpr int prep_ctas_per_sm(bool unit_keys) { return unit_keys ? 6 : 5; }
 constexpr int kGateHeads = 4;      // value heads whose gates are staged at once: one scan per warp
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -291,35 +293,37 @@ struct InverseSmem {
   unsigned char* stage;
 };
 
-// Tile L_WK = beta_i e^min(gc_i - gc_j, 0) (K K^T)_ij of block row W (strictly lower for
-// K = W), from the parked K K^T and this head's gates. Formed where used rather than kept
-// across the rounds' barriers: a few exponentials buy back the registers.
-__device__ __forceinline__ void form_l(const float4* s_kk, const float* gc, const float* beta, int W, int K, Tile& l,
+// Tile L_WK = beta_i 2^min(gl_i - gl_j, 0) (K K^T)_ij of block row W, gl = gcum log2(e),
+// from the parked K K^T and this head's gates; kDiag: K = W, strictly lower (the mask is
+// the diagonal block's alone). Formed where used rather than kept across the rounds'
+// barriers: a few exponentials buy back the registers.
+template <bool kDiag>
+__device__ __forceinline__ void form_l(const float4* s_kk, const float* gl, const float* beta, int W, int K, Tile& l,
                                        int lane) {
   const int gid = lane >> 2, t4 = lane & 3;
   const int i0 = 16 * W + gid;
-  const float gc_i[2] = {gc[i0], gc[i0 + 8]}, beta_i[2] = {beta[i0], beta[i0 + 8]};
+  const float gl_i[2] = {gl[i0], gl[i0 + 8]}, beta_i[2] = {beta[i0], beta[i0 + 8]};
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const float4 kk4 = s_kk[((W * (W + 1) / 2 + K) * 2 + h) * 32 + lane];
     const float kk[4] = {kk4.x, kk4.y, kk4.z, kk4.w};
-    const float2 gc_j = *reinterpret_cast<const float2*>(gc + 16 * K + 8 * h + 2 * t4);
+    const float2 gl_j = *reinterpret_cast<const float2*>(gl + 16 * K + 8 * h + 2 * t4);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int v = e >> 1, c = e & 1;
-      const float d = mma::exp2_ftz(fminf(gc_i[v] - (c ? gc_j.y : gc_j.x), 0.f) * kLog2e);
-      const bool lower = K < W || 8 * h + 2 * t4 + c < gid + 8 * v;
+      const float d = mma::exp2_ftz(fminf(gl_i[v] - (c ? gl_j.y : gl_j.x), 0.f));
+      const bool lower = !kDiag || 8 * h + 2 * t4 + c < gid + 8 * v;
       l[h][e] = lower ? beta_i[v] * d * kk[e] : 0.f;
     }
   }
 }
 
-// One value head, block row W = this warp of the chunk; see NOTES. gc, beta: this head's
-// 64 gcum and beta values (shared memory). W is a runtime value and the rounds a loop, so
+// One value head, block row W = this warp of the chunk; see NOTES. gl, beta: this head's
+// 64 gcum log2(e) and beta values (shared memory). W is a runtime value and the rounds a loop, so
 // that the four warps run one copy of the code: with a copy per block row (6600 SASS
 // instructions in all) 14 % of the prep's stall samples were instruction-cache misses.
 template <bool kUnitKeys>
-__device__ __forceinline__ void invert_block_row(const InverseSmem& s, const float* gc, const float* beta,
+__device__ __forceinline__ void invert_block_row(const InverseSmem& s, const float* gl, const float* beta,
                                                  __nv_bfloat16* a_out, int W) {
   const int lane = lane_id();
   unsigned char* stage_ptr = s.stage + W * kStageBytes;
@@ -327,7 +331,7 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
 
   // Phase 0: the diagonal block A_WW = (I + L_WW)^-1.
   float l[2][4];
-  form_l(s.kk, gc, beta, W, W, l, lane);
+  form_l<true>(s.kk, gl, beta, W, W, l, lane);
   float a[2][4];  // A_WW
   invert_unit_lower(l, a, lane);
   if (W < 3) store_diag(s.diag + W * 16 * kDiagLd, a, lane);
@@ -348,7 +352,7 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
       float x[2][4];
       if (K == J) load_diag_transposed(s.diag + J * 16 * kDiagLd, x, lane);
       else load_frag(s.off + (J + K - 1) * 64, x, lane);
-      form_l(s.kk, gc, beta, W, K, l, lane);
+      form_l<false>(s.kk, gl, beta, W, K, l, lane);
       mma_tile<kUnitKeys>(tt[J], x, l);
       if (K == W - 1) {
         float at[2][4] = {};
@@ -457,9 +461,11 @@ __device__ __forceinline__ void row_norms(const RowChunks& raw, float* lrn, floa
 
 // gcum and beta of value heads hv0 .. hv0 + n - 1 (n <= kGateHeads), warp w taking head
 // hv0 + w: the chunk-local inclusive cumsum of g (pads have g = 0, so they repeat the last
-// value) to shared memory and p.gcum, beta (0 on pads) to shared memory.
+// value) to p.gcum, and in log2 units (gl = gcum log2(e), what the exponentials of L take)
+// to shared memory with its last value as it is (the chunk's decay); beta (0 on pads) to
+// shared memory.
 __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& pos, int64_t slot, int64_t hv0,
-                                           int n, float (*s_gc)[64], float (*s_beta)[64]) {
+                                           int n, float (*s_gl)[64], float* s_gc_last, float (*s_beta)[64]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp >= n) return;
   const int64_t hv = hv0 + warp;
@@ -483,17 +489,18 @@ __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& 
   float* gcum = p.gcum + (slot * p.HV + hv) * 64;
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    s_gc[warp][32 * s + lane] = x[s];
+    s_gl[warp][32 * s + lane] = x[s] * kLog2e;
     s_beta[warp][32 * s + lane] = b[s];
     gcum[32 * s + lane] = x[s];
   }
+  if (lane == 31) s_gc_last[warp] = x[1];
 }
 
 // chunk_decay (see gdn_fwd.h) of one value head, by one warp: the chunk's log decay if
 // every token's update I - beta k k^T is a contraction (0 <= beta |k|^2 <= 2; pads have
 // beta = 0), else +inf, so that a window holding such a chunk is never truncated. NaN
 // fails both tests and gives NaN or +inf: never truncated either.
-__device__ __forceinline__ void write_chunk_decay(float* out, const float* gc, const float* beta,
+__device__ __forceinline__ void write_chunk_decay(float* out, const float* gc_last, const float* beta,
                                                   const float* knorm2) {
   const int lane = threadIdx.x & 31;
   bool contraction = true;
@@ -503,14 +510,15 @@ __device__ __forceinline__ void write_chunk_decay(float* out, const float* gc, c
     contraction = contraction && bk >= 0.f && bk <= 2.f;
   }
   contraction = __all_sync(0xffffffffu, contraction);
-  if (lane == 0) *out = contraction ? gc[kGdnChunk - 1] : __int_as_float(0x7f800000);
+  if (lane == 0) *out = contraction ? *gc_last : __int_as_float(0x7f800000);
 }
 
 // kUnitKeys = p.use_qk_l2norm: q and k rows are normalised here (and in the walk).
 template <bool kUnitKeys>
-__global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
+__global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
-  __shared__ float s_gc[kGateHeads][64];
+  __shared__ float s_gl[kGateHeads][64];  // gcum log2(e)
+  __shared__ float s_gc_last[kGateHeads];  // gcum's last value
   __shared__ float s_beta[kGateHeads][64];
   __shared__ float s_knorm2[64];  // |k_i|^2, the diagonal of K K^T
   __shared__ float s_rk[64];      // 1 / |k_i| (with use_qk_l2norm)
@@ -532,7 +540,8 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
   mma::cp_async_commit();
   RowChunks raw;
   if constexpr (kUnitKeys) rows_from_global(static_cast<const __nv_bfloat16*>(p.q), raw, pos, p.H, h);
-  load_gates(p, pos, slot, static_cast<int64_t>(h) * G, G < kGateHeads ? G : kGateHeads, s_gc, s_beta);
+  load_gates(p, pos, slot, static_cast<int64_t>(h) * G, G < kGateHeads ? G : kGateHeads, s_gl, s_gc_last,
+             s_beta);
 
   // 2. The rows' norms, when normalised: q's and k's for the walk; k's also for K K^T
   //    (kn_i . kn_j = rk_i rk_j (k_i . k_j)).
@@ -604,15 +613,15 @@ __global__ void __launch_bounds__(kPrepThreads, kPrepCtasPerSm) gdn_fwd_prep_ker
     if (g0 > 0) {
       __syncthreads();  // the previous group's gates are read
       // The chunk is found again rather than its position held in registers through the inverses.
-      load_gates(p, find_chunk(p.chunk_offsets, cu, p.N, slot), slot, static_cast<int64_t>(h) * G + g0, n, s_gc,
-                 s_beta);
+      load_gates(p, find_chunk(p.chunk_offsets, cu, p.N, slot), slot, static_cast<int64_t>(h) * G + g0, n, s_gl,
+                 s_gc_last, s_beta);
       __syncthreads();
     }
     if (warp < n) write_chunk_decay(p.chunk_decay + slot * p.HV + static_cast<int64_t>(h) * G + g0 + warp,
-                                    s_gc[warp], s_beta[warp], s_knorm2);
-    for (int gl = 0; gl < n; ++gl) {
-      __nv_bfloat16* a_out = a_first + (g0 + gl) * 64 * 64;
-      invert_block_row<kUnitKeys>(s, s_gc[gl], s_beta[gl], a_out, warp);
+                                    s_gc_last + warp, s_beta[warp], s_knorm2);
+    for (int j = 0; j < n; ++j) {
+      __nv_bfloat16* a_out = a_first + (g0 + j) * 64 * 64;
+      invert_block_row<kUnitKeys>(s, s_gl[j], s_beta[j], a_out, warp);
     }
   }
 }
