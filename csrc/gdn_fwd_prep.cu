@@ -15,10 +15,11 @@
 //   warpgroups). An earlier form of these norms (d521d1f: factors per value head in the
 //   gates workspace, the walk on per-thread cp.async) was 1 % slower net and reverted;
 //   this one (per q/k head, one 512-byte TMA copy beside gcum) measured 0.8-2.5 % faster
-//   net, side by side with the same walk otherwise (tools/ab_csrc.py). k is requested up front with cp.async (no registers held while it
-//   flies), q and the gates are loaded under it; K K^T is parked in shared memory between
-//   value heads; <= 80 registers (raw keys: 96) and 29 KB of shared memory give 6 CTAs
-//   (raw keys: 5) per SM, so other CTAs' loads stay in flight while one CTA inverts. Warming L2 with
+//   net, side by side with the same walk otherwise (tools/ab_csrc.py). k is requested up
+//   front with cp.async (no registers held while it flies), q and the gates are loaded
+//   under it; K K^T is parked in shared memory between value heads; <= 80 registers (raw
+//   keys: 96) and 29 KB of shared memory give 6 CTAs (raw keys: 5) per SM, so other
+//   CTAs' loads stay in flight while one CTA inverts. Warming L2 with
 //   the rows of the CTA that starts when this one ends (bulk prefetch, branch
 //   try/prep-prefetch) made the prep 7-11 % slower: its time is not the loads' latency
 //   (ncu at s64k_h16: DRAM 33 % busy, issue 61 %, 17 % of stall samples at the inverse's
@@ -31,9 +32,13 @@
 //   slots 63 % busy, ALU pipe 45 % (the busiest), L1/TEX 76 %, DRAM 43 %, 4.8 of 5 warps
 //   a scheduler active, 1.3 eligible; the gates' strided scalar loads (load_gates: one
 //   value head's g and beta per warp, HV * 4 bytes apart) are 14 % of the L2 sectors
-//   requested beyond the bytes used. Six CTAs per SM (80 registers, 4-20 bytes spilled
-//   in the gate-group path; try/prep-six-ctas) made the prep 2-3 % faster (0.312 ->
-//   0.305 ms at s64k_h16, 0.197 -> 0.191 at s256k_h2), not merged with the spills.
+//   requested beyond the bytes used. Six CTAs per SM first came with spills (80
+//   registers, 4-20 bytes in the gate-group path; try/prep-six-ctas, 2-3 % faster). L in
+//   log2 units (gl = gcum log2(e) staged once per head, not a multiply an element) and
+//   the strictly-lower mask in the diagonal block's form_l only (form_l<kDiag>) made room
+//   for them: unit-key prep at 6 CTAs with no spills (try/prep-form-l-six, merged), prep
+//   ms in one tools/ab_csrc.py call with --rounds 2: s64k_h16 0.312 -> 0.302, s256k_h2
+//   0.197 -> 0.189, s32k_h16 0.198 -> 0.194 (forward 1 % faster).
 // - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
 //   G value heads; only the gating, beta and the inverse are per value head.
 // - The inverse A = (I + L)^-1 is blocked 16x16, warp w owning block row w (the rows of

@@ -81,6 +81,10 @@
 //   (TMA tensor prefetch, branch try/walk-prefetch) made the walk 5-9 % slower. What
 //   the aux adds per chunk does show: forming the q/k norms here cost 27 %, folding the
 //   prep's norms in 3 % (ncu at s64k_h16: DRAM 49 % busy at ncu's clocks, issue 41 %).
+//   Nor is it the A tile's bytes: A stored as its lower block triangle (5 KB, not 8) and
+//   loaded as four TMA boxes of 16 rows with zero fill (try/packed-a) made the walk
+//   slower, 0.613 -> 0.637 ms at s64k_h16 and 0.462 -> 0.473 at s256k_h2 (one
+//   tools/ab_csrc.py call, --rounds 2).
 // - When the aux works matters more than how much (walk ms at s64k_h16, against 0.637
 //   for this code with warpgroup 1 then starting at X, in the same call of
 //   tools/ab_csrc.py): empty stages as mbarriers with the aux forming P~ of each chunk
