@@ -27,6 +27,11 @@ Implements the protocol of BENCH.md in one process on one device:
 - Per kernel: each ``kernel_ms`` sample is also split by kernel (ms per call; repeated
   names told apart by their rank in the call, ``main_kernel#2``); the JSON row's
   ``kernels`` holds the medians, ``--kernels`` prints them: which stage costs what.
+- Interrupted (SIGTERM, e.g. from ``timeout``, or Ctrl-C) while timing: the cells
+  timed so far are still summarised, printed and written; a timing not finished for a
+  cell is null and listed in the row's ``untimed``, and the meta says where it
+  stopped. A cold machine spends minutes in the peers' compiles and autotuning, so a
+  run cut short by a time limit still reports what it measured.
 - Accuracy: every arm, for every requested op, against the FP64 token-by-token
   reference on a small packed shape (documents of 100 + 64 + 37 tokens, (H, HV) =
   (2, 6), K = V = 128) with the benchmark's own input distribution: o and, with a
@@ -68,6 +73,7 @@ import json
 import math
 import os
 import platform
+import signal
 import statistics
 import sys
 import time
@@ -91,6 +97,15 @@ FWDBWD_OVER_FWD = 3.9
 OPS = ("fwd", "fwdbwd", "ckpt")
 ARMS = ("cake", "cake-nd", "fla", "flashqla", "torch", "cake-aa")
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+class BenchInterrupted(BaseException):
+    """SIGTERM during a run (a BaseException, so an arm's ``except Exception`` does not
+    take it for that arm's failure)."""
+
+
+def _raise_interrupted(signum, frame):
+    raise BenchInterrupted(signal.Signals(signum).name)
 
 
 # ----------------------------------------------------------------------------- shapes
@@ -680,6 +695,48 @@ def summarize(samples: list[list[float]]) -> tuple[float, float, list[float]]:
     return value, drift(medians), medians
 
 
+def time_cells(args, shapes, arms, passed, rate, timer, rows, timed, meta) -> None:
+    """Every (shape, op) cell: rows[(shape, op, arm)] gets its samples, timed the
+    (shape, op, timing) of each finished cell; meta["timing_now"] names the cell in hand.
+
+    Two phases over all cells: CUDA-event timings first, then the profiler. A profiler
+    session leaves CUPTI attached (no teardown by default), which slows launches for
+    the rest of the process; stream_ms and sync_ms must not see that.
+    """
+    meta["timing_now"] = "(no cell yet)"
+    for timings in (("stream_ms", "sync_ms"), ("kernel_ms",)):
+        for shape in shapes:
+            inp = make_inputs(shape, timer.device, args.gate, args.seed)
+            for op in args.ops:
+                flop = gdn_flop(shape, op)
+                runnable = []
+                for arm in arms:
+                    key = (shape.name, op, arm.name)
+                    if key not in rows:
+                        rows[key] = {
+                            "shape": shape.name, "op": op, "arm": arm.name, "flop": flop,
+                            "floor_ms": flop / (rate * 1e12) * 1e3, "error": None,
+                            "samples": {t: [[] for _ in range(args.groups)] for t in TIMINGS},
+                        }
+                        rows[key]["error"] = arm.supports(shape) or (
+                            None if passed[(arm.name, op)] else "failed the accuracy check"
+                        )
+                    if not rows[key]["error"]:
+                        runnable.append(arm)
+                meta["timing_now"] = f"{shape.name} {op} [{', '.join(timings)}]"
+                print(f"timing {meta['timing_now']}: {', '.join(a.name for a in runnable) or 'no arm'}", flush=True)
+                for name, cell in time_cell(shape, op, runnable, inp, timer, timings, args).items():
+                    row = rows[(shape.name, op, name)]
+                    row["error"] = cell["error"]
+                    row["samples"].update(cell["samples"])
+                    if cell["kernels"]:
+                        row["kernels"] = median_split(cell["kernels"])
+                timed.update((shape.name, op, t) for t in timings)
+                if timer.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            del inp
+
+
 def run(args) -> dict:
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
@@ -738,47 +795,23 @@ def run(args) -> dict:
             print(f"accuracy {arm.name:9s} {op:7s} worst rel-RMS {worst:.2e}: {status}", flush=True)
     del acc_inp
 
-    # Two phases over all cells: CUDA-event timings first, then the profiler. A profiler
-    # session leaves CUPTI attached (no teardown by default), which slows launches for
-    # the rest of the process; stream_ms and sync_ms must not see that.
     timer = Timer(device)
     rows: dict[tuple[str, str, str], dict] = {}
-    cells: dict[tuple[str, str, str], dict] = {}
-    for timings in (("stream_ms", "sync_ms"), ("kernel_ms",)):
-        for shape in shapes:
-            inp = make_inputs(shape, device, args.gate, args.seed)
-            for op in args.ops:
-                flop = gdn_flop(shape, op)
-                runnable = []
-                for arm in arms:
-                    key = (shape.name, op, arm.name)
-                    if key not in rows:
-                        rows[key] = {
-                            "shape": shape.name, "op": op, "arm": arm.name, "flop": flop,
-                            "floor_ms": flop / (rate * 1e12) * 1e3, "error": None,
-                            "samples": {t: [[] for _ in range(args.groups)] for t in TIMINGS},
-                        }
-                        rows[key]["error"] = arm.supports(shape) or (
-                            None if passed[(arm.name, op)] else "failed the accuracy check"
-                        )
-                    if not rows[key]["error"]:
-                        runnable.append(arm)
-                print(f"timing {shape.name} {op} [{', '.join(timings)}]: {', '.join(a.name for a in runnable) or 'no arm'}", flush=True)
-                for name, cell in time_cell(shape, op, runnable, inp, timer, timings, args).items():
-                    row = rows[(shape.name, op, name)]
-                    row["error"] = cell["error"]
-                    row["samples"].update(cell["samples"])
-                    if cell["kernels"]:
-                        row["kernels"] = median_split(cell["kernels"])
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-            del inp
+    timed: set[tuple[str, str, str]] = set()  # (shape, op, timing) of the cells finished
+    try:
+        time_cells(args, shapes, arms, passed, rate, timer, rows, timed, meta)
+    except (BenchInterrupted, KeyboardInterrupt) as e:
+        meta["interrupted"] = f"{str(e) or type(e).__name__} while timing {meta['timing_now']}"
+        print(f"interrupted: {meta['interrupted']}; reporting the cells timed so far", flush=True)
+    meta.pop("timing_now", None)
 
     for key, row in rows.items():
         samples = row.pop("samples")
+        row["untimed"] = [t for t in TIMINGS if (row["shape"], row["op"], t) not in timed]
         row["drift"], row["group_medians"], row["unstable_timings"] = {}, {}, []
         for t in TIMINGS:
-            value, d, medians = summarize(samples[t]) if not row["error"] else (None, None, None)
+            done = not row["error"] and t not in row["untimed"]
+            value, d, medians = summarize(samples[t]) if done else (None, None, None)
             row[t], row["drift"][t], row["group_medians"][t] = value, d, medians
             if d is not None and is_unstable(d):
                 row["unstable_timings"].append(t)
@@ -823,6 +856,8 @@ def format_table(report: dict) -> str:
         f"floor_ms = FLOP / measured bf16 matmul rate ({report['meta']['matmul_tflops']:.3g} TFLOP/s); "
         f"fwdbwd = {FWDBWD_OVER_FWD} x fwd FLOP, ckpt = fwd + fwdbwd",
     ]
+    if report["meta"].get("interrupted"):
+        notes.append(f"INTERRUPTED ({report['meta']['interrupted']}): a - in a row that has no error was not timed")
     if report["meta"]["timing"] != "cuda":
         notes.append(
             "NO CUDA: kernel_ms, stream_ms and sync_ms are all host wall-clock per call "
@@ -895,7 +930,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict:
     args = parse_args(argv)
-    report = run(args)
+    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        report = run(args)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(format_table(report), flush=True)
     if args.kernels:
         print(format_kernels(report), flush=True)

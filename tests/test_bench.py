@@ -2,6 +2,8 @@
 
 import json
 import math
+import os
+import signal
 
 import pytest
 import torch
@@ -188,6 +190,7 @@ def test_quick_run_on_cpu(tmp_path):
     assert set(rows) == {("q_single", op, a) for a in timed for op in ops}
     for key, r in rows.items():
         assert r["error"] is None, (key, r["error"])
+        assert r["untimed"] == [], key
         for t in ("kernel_ms", "stream_ms", "sync_ms", "floor_ms"):
             assert r[t] is not None and r[t] > 0, (key, t)
         assert len(r["group_medians"]["kernel_ms"]) == 3
@@ -195,3 +198,34 @@ def test_quick_run_on_cpu(tmp_path):
         assert r["flop"] == pytest.approx(bench.gdn_flop(bench.QUICK_SHAPES["q_single"], r["op"]))
         assert (r["cake_over_arm_kernel"] == 1.0) if r["arm"] == "cake" else r["cake_over_arm_kernel"] > 0
     assert report["results"][0]["shape"] == "q_single"
+
+
+def test_sigterm_reports_the_cells_timed_so_far(tmp_path, monkeypatch):
+    """A SIGTERM (what ``timeout`` sends) in the profiler pass: the CUDA-event timings
+    already taken are still summarised and written, the unfinished ones are null and
+    listed in ``untimed``, the meta says where it stopped, and the handler is restored."""
+    real_time_cell, calls = bench.time_cell, []
+
+    def time_cell(shape, op, arms, inp, timer, timings, args):
+        calls.append((shape.name, op, tuple(timings)))
+        if timings == ("kernel_ms",):  # the first cell of the second pass
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_time_cell(shape, op, arms, inp, timer, timings, args)
+
+    monkeypatch.setattr(bench, "time_cell", time_cell)
+    before = signal.getsignal(signal.SIGTERM)
+    path = tmp_path / "bench.json"
+    argv = ["--quick", "--device", "cpu", "--shapes", "q_single", "--ops", "fwd,fwdbwd", "--arms", "cake,cake-nd"]
+    report = bench.main(argv + ["--calls", "1", "--warmup", "0", "--json", str(path)])
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert calls == [("q_single", "fwd", ("stream_ms", "sync_ms")), ("q_single", "fwdbwd", ("stream_ms", "sync_ms")),
+                     ("q_single", "fwd", ("kernel_ms",))]
+    data = json.loads(path.read_text(), parse_constant=lambda name: pytest.fail(f"non-finite {name}"))
+    assert data["meta"]["interrupted"] == "SIGTERM while timing q_single fwd [kernel_ms]"
+    assert "timing_now" not in data["meta"]
+    rows = {(r["op"], r["arm"]): r for r in data["results"]}
+    assert set(rows) == {(op, arm) for op in ("fwd", "fwdbwd") for arm in ("cake", "cake-nd")}
+    for key, r in rows.items():
+        assert r["error"] is None and r["untimed"] == ["kernel_ms"], key
+        assert r["kernel_ms"] is None and r["stream_ms"] > 0 and r["sync_ms"] > 0, key
+    assert "INTERRUPTED (SIGTERM while timing q_single fwd [kernel_ms])" in bench.format_table(report)
