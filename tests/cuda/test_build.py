@@ -18,7 +18,7 @@ from cake_ops.testing import accuracy, poisoned_allocations
 
 from conftest import HAS_CUDA, record_accuracy
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- build (CPU)
@@ -232,7 +232,7 @@ def test_binding_rejects_bad_arguments_with_runtime_error(call):
         + "".join("    " + line + "\n" for line in code.splitlines())
         + "except RuntimeError as e:\n    print('RAISED', e)\n"
     )
-    repo = Path(__file__).resolve().parent.parent
+    repo = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", program], cwd=repo, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and "RAISED" in done.stdout and message in done.stdout, (
         f"exit {done.returncode}: {done.stdout[-500:]} {done.stderr[-500:]}"

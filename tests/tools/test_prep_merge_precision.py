@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "prep_merge_precision.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "prep_merge_precision.py"
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-TOOL = Path(__file__).resolve().parents[1] / "tools" / "ab_csrc.py"
+TOOL = Path(__file__).resolve().parents[2] / "tools" / "ab_csrc.py"
 
 
 @pytest.fixture()

@@ -484,7 +484,7 @@ except RuntimeError as e:
 print("NO ERROR")
 """
     done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parent.parent)
+                          cwd=Path(__file__).resolve().parents[2])
     out = done.stdout + done.stderr
     assert done.returncode == 3, out
     assert "cu_seqlens must start at 0, be non-decreasing and end at T = 130" in out, out
