@@ -4,17 +4,21 @@ Every stage is a ``torch.library`` op in the ``cake::`` namespace (``cake::gdn_f
 ``cake::gdn_bwd``, ``cake::short_conv_fwd``, ``cake::short_conv_bwd``) with a fake kernel
 and an autograd formula, so eager, ``torch.compile(fullgraph=True)``, CUDA-graph capture
 and non-reentrant checkpointing all see single traceable ops.
+
+Where things are: the ops and user functions in ``cake_ops.ops`` (one module per op
+family), their PyTorch implementations in ``cake_ops.pytorch``, which implementation
+takes a call in ``cake_ops.dispatch``, the fake kernels in ``cake_ops.meta``, the CUDA
+sources in ``csrc/<family>/``; the math and the contracts in docs/.
 """
 
-from . import gdn as _gdn_ops  # noqa: F401  (defines cake::gdn_*)
-from . import short_conv as _short_conv_ops  # noqa: F401  (defines cake::short_conv_*)
 from ._meta import load_fake_kernels as _load_fake_kernels
+from .dispatch import pytorch_implementation
 from .fla import chunk_gated_delta_rule
-from .gdn import gdn
 from .layers import GatedDeltaNet
-from .short_conv import short_conv
+from .ops.gdn import gdn
+from .ops.short_conv import short_conv
 
 _load_fake_kernels()
 
-__all__ = ["gdn", "short_conv", "chunk_gated_delta_rule", "GatedDeltaNet"]
+__all__ = ["gdn", "short_conv", "chunk_gated_delta_rule", "GatedDeltaNet", "pytorch_implementation"]
 __version__ = "0.1.0"

@@ -8,6 +8,8 @@ on CPU tensors and as a device-side assert on CUDA (no host sync).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 QKV_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -85,7 +87,7 @@ def check_gdn(q, k, v, g, beta, cu_seqlens, initial_state):
     if H == 0 or HV % H != 0:
         _fail(ValueError, f"the value heads HV = {HV} (v.shape[1]) must be a multiple of the q/k heads H = {H}")
     if K == 0 or V == 0:
-        _fail(ValueError, f"head dims must be positive, got K = {K}, V = {V}")
+        _fail(ValueError, f"the head dims K = q.shape[-1] and V = v.shape[-1] must be positive, got K = {K}, V = {V}")
     _check_device("g", g, device)
     _check_dtype("g", g, (torch.float32,))
     _check_shape("g", g, (T, HV), "[T, HV]")
@@ -98,6 +100,14 @@ def check_gdn(q, k, v, g, beta, cu_seqlens, initial_state):
         _check_dtype("initial_state", initial_state, (torch.float32,))
         _check_shape("initial_state", initial_state, (N, HV, K, V), "[N, HV, K, V]")
     return T, H, K, HV, V, N
+
+
+def check_scale(scale) -> None:
+    """The output scale: a finite real number (the default K**-0.5 is set by the caller)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        _fail(TypeError, f"scale must be a float, got {type(scale).__name__}")
+    if not math.isfinite(scale):
+        _fail(ValueError, f"scale must be finite, got {scale}")
 
 
 def check_gdn_grads(do, dht, T, HV, V, N, K):

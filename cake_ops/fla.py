@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .gdn import gdn
+from .ops.gdn import gdn
 
 
 def chunk_gated_delta_rule(

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .gdn import gdn
-from .short_conv import short_conv
+from .ops.gdn import gdn
+from .ops.short_conv import short_conv
 
 
 class GatedDeltaNet(nn.Module):

@@ -73,3 +73,33 @@ def from_chunks(xc: torch.Tensor, layout: ChunkLayout) -> torch.Tensor:
     """[NC, heads, C, ...] -> [T, heads, ...] (a gather: deterministic, no scatter)."""
     flat = xc.transpose(1, 2).flatten(0, 1)
     return flat[layout.token_slot]
+
+
+def to_packed(
+    name: str, x: torch.Tensor, packed_rank: int, cu_seqlens, others: dict[str, tuple[torch.Tensor, int]]
+) -> tuple[torch.Tensor, dict[str, torch.Tensor], torch.Tensor, tuple[int, int] | None]:
+    """The user entries' batch handling: x (named ``name``) is packed ([T, ...], rank
+    ``packed_rank``) or batched ([B, T, ...], one rank more); ``others`` name -> (tensor,
+    packed rank) follow x. A batch is the packed case with ``cu_seqlens = arange(B+1)*T``;
+    ``cu_seqlens`` with a batch needs B = 1; None on a packed x is one document.
+
+    Returns (x, others, cu_seqlens, (B, T) or None) in the packed layout (views)."""
+    if cu_seqlens is not None and not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(
+            f"cu_seqlens must be a torch.Tensor (int32 or int64, on {name}'s device), got "
+            f"{type(cu_seqlens).__name__}; e.g. torch.tensor(cu_seqlens, dtype=torch.int32, device={name}.device)"
+        )
+    if x.dim() != packed_rank + 1:
+        if cu_seqlens is None:
+            cu_seqlens = torch.arange(2, device=x.device, dtype=torch.int32) * x.shape[0]
+        return x, {n: t for n, (t, _) in others.items()}, cu_seqlens, None
+    B, T = x.shape[0], x.shape[1]
+    if cu_seqlens is not None and B != 1:
+        raise ValueError(f"cu_seqlens needs a batch of 1 (packed documents), got batch size {B}")
+    for n, (t, rank) in others.items():
+        if not isinstance(t, torch.Tensor) or t.dim() != rank + 1 or t.shape[0] != B:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{n} must be [B, T, ...] with B = {B} like {name}, got shape {shape}")
+    if cu_seqlens is None:
+        cu_seqlens = torch.arange(B + 1, device=x.device, dtype=torch.int32) * T
+    return x.flatten(0, 1), {n: t.flatten(0, 1) for n, (t, _) in others.items()}, cu_seqlens, (B, T)

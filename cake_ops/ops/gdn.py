@@ -2,22 +2,22 @@
 
 The ops work in the packed layout (q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV];
 ``cu_seqlens`` [N+1] on the device). ``cake::gdn_fwd`` carries the autograd formula, so
-a compiled model can call ``torch.ops.cake.gdn_fwd`` directly. Implementation: the
-chunked PyTorch algorithm of ``cake_ops.chunked`` on every device until a CUDA kernel is
-registered for a stage: on Hopper the forward runs the CUDA kernels of ``csrc/gdn_fwd*``
-(K = V = 128, bf16 q/k/v; other cases fall back to PyTorch); the backward is PyTorch
-for now. Fake kernels: ``meta/gdn.py``.
+a compiled model can call ``torch.ops.cake.gdn_fwd`` directly. Which implementation
+runs a call is decided by ``cake_ops.dispatch`` (the CUDA kernels of ``csrc/gdn/`` on
+Hopper for K = V = 128 and bf16 q/k/v, else the chunked PyTorch algorithm of
+``cake_ops.pytorch.gdn``). Fake kernels: ``meta/gdn.py``. The math: docs/math.md.
 """
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
 
-from . import chunked
-from .checks import check_cu_seqlens_values, check_gdn, check_gdn_grads
+from .. import dispatch
+from ..checks import check_cu_seqlens_values, check_gdn, check_gdn_grads, check_scale
+from ..pytorch import gdn as pytorch_gdn
+from ..varlen import to_packed
 
 _warned_nondeterministic = False
 
@@ -56,38 +56,24 @@ def gdn_fwd(
     is always produced (it is small); ``cake_ops.gdn`` drops it unless asked.
     """
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
+    check_scale(scale)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
-    return chunked.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    return pytorch_gdn.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
 
 
 @gdn_fwd.register_kernel("cuda")
 def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
-    T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
+    T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
+    check_scale(scale)
     deterministic = effective_deterministic(deterministic)
-    from . import build  # imported here so that `python -m cake_ops.build` runs cleanly
-
-    # The kernels fold log2(scale) into the gate exponents, so they take scale > 0.
-    if _use_pytorch or not build.available() or (K, V) != (128, 128) or q.dtype != torch.bfloat16 or scale <= 0:
+    if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         check_cu_seqlens_values(cu_seqlens, T)
-        return chunked.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
-    # The kernels' first stage checks cu_seqlens's values itself (gdn_fwd_plan.cu).
+        return pytorch_gdn.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    from .. import build
+
+    # The kernels' first stage checks cu_seqlens's values itself (csrc/gdn/plan.cu).
     return build.load().gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
-
-
-_use_pytorch = False
-
-
-@contextlib.contextmanager
-def pytorch_implementation():
-    """Run the cake:: GDN ops on their PyTorch implementation on every device, e.g. to
-    compare against the kernels. Not thread-safe; cover forward and backward with it."""
-    global _use_pytorch
-    previous, _use_pytorch = _use_pytorch, True
-    try:
-        yield
-    finally:
-        _use_pytorch = previous
 
 
 @torch.library.custom_op("cake::gdn_bwd", mutates_args=())
@@ -112,9 +98,11 @@ def gdn_bwd(
     """
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_gdn_grads(do, dht, T, HV, V, N, K)
+    check_scale(scale)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)
-    return chunked.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    # dispatch.gdn_bwd_cuda_refusal: no CUDA backward yet, every device runs this.
+    return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
 
 
 def _setup_context(ctx, inputs, output):
@@ -154,10 +142,11 @@ def gdn(
     Args:
         q, k: [T, H, K] (packed) or [B, T, H, K]; bf16 (fp16/fp32 also accepted).
         v: [T, HV, V] or [B, T, HV, V], HV a multiple of H (GVA).
-        g: [T, HV] / [B, T, HV] fp32 log decay (<= 0). beta: same shape, fp32 or q's dtype.
-        cu_seqlens: [N+1] int32/int64 document boundaries on q's device; None means
-            one document per batch row. Not allowed with B > 1.
-        scale: defaults to K ** -0.5.
+        g: [T, HV] / [B, T, HV] fp32 log decay (<= 0; -inf is a full reset).
+        beta: same shape, fp32 or q's dtype.
+        cu_seqlens: [N+1] int32/int64 tensor of document boundaries on q's device; None
+            means one document per batch row. Not allowed with B > 1.
+        scale: a finite float; defaults to K ** -0.5.
         initial_state: [N, HV, K, V] fp32 (N = documents, or B).
         output_final_state: return the final state [N, HV, K, V] fp32.
         use_qk_l2norm: L2-normalise q and k inside the op (with its backward).
@@ -165,24 +154,17 @@ def gdn(
     Returns:
         (o in v's layout and dtype, final_state or None).
     """
-    batched = q.dim() == 4
-    if batched:
-        B, T = q.shape[0], q.shape[1]
-        if cu_seqlens is not None and B != 1:
-            raise ValueError(f"cu_seqlens needs a batch of 1 (packed documents), got batch size {B}")
-        for name, x, rank in (("k", k, 4), ("v", v, 4), ("g", g, 3), ("beta", beta, 3)):
-            if x.dim() != rank or x.shape[0] != B:
-                raise ValueError(f"{name} must be [B, T, ...] with B = {B} like q, got shape {tuple(x.shape)}")
-        if cu_seqlens is None:
-            cu_seqlens = torch.arange(B + 1, device=q.device, dtype=torch.int32) * T
-        q, k, v, g, beta = (x.flatten(0, 1) for x in (q, k, v, g, beta))
-    elif cu_seqlens is None:
-        cu_seqlens = torch.arange(2, device=q.device, dtype=torch.int32) * q.shape[0]
+    q, packed, cu_seqlens, batch = to_packed(
+        "q", q, 3, cu_seqlens, {"k": (k, 3), "v": (v, 3), "g": (g, 2), "beta": (beta, 2)}
+    )
+    check_gdn(q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state)
     if scale is None:
         scale = q.shape[-1] ** -0.5
+    check_scale(scale)
     o, final_state = torch.ops.cake.gdn_fwd(
-        q, k, v, g, beta, cu_seqlens, initial_state, float(scale), use_qk_l2norm, deterministic
+        q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state, float(scale),
+        use_qk_l2norm, deterministic,
     )
-    if batched:
-        o = o.unflatten(0, (B, T))
+    if batch is not None:
+        o = o.unflatten(0, batch)
     return o, (final_state if output_final_state else None)

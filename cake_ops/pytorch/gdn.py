@@ -1,9 +1,10 @@
 """The chunked GDN algorithm (chunk C = 64, fp32) in plain PyTorch: forward and backward.
 
 Device-agnostic implementation behind ``cake::gdn_fwd`` / ``cake::gdn_bwd`` wherever
-no CUDA kernel is registered. Everything that does not depend on the state is
-vectorised over chunks and heads; only the walk over chunk slots is a loop (one step
-covers every head). Notation (DESIGN.md §1), per chunk and value head:
+no CUDA kernel takes a call (``cake_ops.dispatch``). Everything that does not depend on
+the state is vectorised over chunks and heads; only the walk over chunk slots is a loop
+(one step covers every head). Notation (docs/math.md, Chunked form), per chunk and value
+head:
 
     gcum = chunk-local cumsum of g,  gl = gcum[-1],  D_ij = exp(gcum_i - gcum_j) (i >= j)
     A = (I + tril(beta_i D_ij k_i.k_j, -1))^-1,  w = A (beta e^gcum k),  u = A (beta v)
@@ -21,13 +22,19 @@ from typing import NamedTuple
 
 import torch
 
-from .varlen import ChunkLayout, chunk_layout, from_chunks, to_chunks
+from ..varlen import ChunkLayout, chunk_layout, from_chunks, to_chunks
 
-CHUNK = 64
-L2NORM_EPS = 1e-6
+CHUNK = 64  # csrc/gdn/gdn.h kGdnChunk (tests/cuda/test_kernel_code.py holds them equal)
+L2NORM_EPS = 1e-6  # csrc/gdn/gdn.h kL2NormEps
+# g = -inf is a full reset (e^g = 0), but inside a chunk's cumsum it would make
+# gcum_i - gcum_j = -inf - (-inf) = NaN. g is clamped to this floor first (csrc/gdn/gdn.h
+# kGdnGateFloor): e^-128 is 0 in fp32, so the clamped token resets the state exactly as
+# e^-inf does, and chunk-local |gcum| <= 64 * 128 keeps its differences accurate. NaN
+# stays NaN (torch.clamp propagates it).
+GATE_FLOOR = -128.0
 
 
-class _Prepared(NamedTuple):
+class Prepared(NamedTuple):
     """Per-chunk tensors that do not depend on the state. Shapes [NC, HV, C, ...]."""
 
     layout: ChunkLayout
@@ -64,7 +71,9 @@ def _per_qk_head(x: torch.Tensor, G: int) -> torch.Tensor:
     return x if G == 1 else x.unflatten(1, (-1, G)).sum(2)
 
 
-def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
+def prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm) -> tuple[Prepared, tuple | None]:
+    """The per-chunk tensors that do not depend on the state (the CUDA prep's outputs,
+    gcum and A, among them), and the L2 norm's (q, 1/|q|, k, 1/|k|) when applied."""
     T, H, K = q.shape
     HV = v.shape[1]
     G = HV // H
@@ -81,7 +90,7 @@ def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
     qc, kc = _per_value_head(qc, G), _per_value_head(kc, G)
     vc = to_chunks(v.float(), layout)
     bc = to_chunks(beta.float()[..., None], layout)[..., 0]  # [NC, HV, C]
-    gcum = to_chunks(g[..., None], layout)[..., 0].cumsum(-1)
+    gcum = to_chunks(g.clamp(min=GATE_FLOOR)[..., None], layout)[..., 0].cumsum(-1)
     C = CHUNK
     causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     # Mask the exponent before exp: above the diagonal gcum_i - gcum_j > 0 can overflow.
@@ -92,11 +101,11 @@ def _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm):
     w = A @ ((bc * gcum.exp())[..., None] * kc)
     u = A @ (bc[..., None] * vc)
     k_decayed = (gcum[..., -1:] - gcum).exp()[..., None] * kc
-    prep = _Prepared(layout, qc, kc, vc, bc, gcum, decay, kk, qk, A, w, u, k_decayed)
+    prep = Prepared(layout, qc, kc, vc, bc, gcum, decay, kk, qk, A, w, u, k_decayed)
     return prep, rstd
 
 
-def _walk(prep: _Prepared, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _walk(prep: Prepared, h0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The state walk over chunk slots. Returns (h [NC, HV, K, V] state at each chunk's
     start, v_new [NC, HV, C, V], final state [N, HV, K, V])."""
     lay = prep.layout
@@ -123,7 +132,7 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
     final_state [N, HV, K, V] fp32)."""
     N = cu_seqlens.shape[0] - 1
     HV, K, V = v.shape[1], q.shape[2], v.shape[2]
-    prep, _ = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    prep, _ = prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=torch.float32)
     h, v_new, final = _walk(prep, h0)
     inter = (prep.gcum.exp()[..., None] * prep.q) @ h
@@ -139,7 +148,7 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
     HV, V = v.shape[1], v.shape[2]
     N = cu_seqlens.shape[0] - 1
     G = HV // H
-    prep, rstd = _prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    prep, rstd = prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
     lay = prep.layout
     h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=torch.float32)
     h, v_new, _ = _walk(prep, h0)
@@ -216,7 +225,9 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
         qn, rq, kn, rk = rstd
         dq, dk = _l2norm_bwd(dq, qn, rq), _l2norm_bwd(dk, kn, rk)
     dv = from_chunks(dv, lay)
-    dg = from_chunks(dg[..., None], lay)[..., 0]
+    # Below the floor g does not reach the output (the clamp's gradient is 0 there; the
+    # true one, e^g times bounded terms, is below fp32 resolution).
+    dg = torch.where(g < GATE_FLOOR, 0.0, from_chunks(dg[..., None], lay)[..., 0])
     dbeta = from_chunks(dbeta[..., None], lay)[..., 0]
     return (
         dq.to(q.dtype).contiguous(),

@@ -1,0 +1,113 @@
+"""The short causal convolution of GDN layers: ``cake::short_conv_fwd`` / ``_bwd``.
+
+Depthwise, width W <= 4, optional SiLU, over packed documents (a document never sees
+its neighbour's tokens), with an optional initial conv state [N, D, W-1] holding the
+W-1 inputs before each document. y[t] = act(bias + sum_i weight[:, i] x[t - (W-1) + i]).
+
+Which implementation runs a call is decided by ``cake_ops.dispatch``: on a Hopper GPU
+the forward runs the CUDA kernel of ``csrc/short_conv/``; elsewhere, and for the backward
+for now, the PyTorch implementation ``cake_ops.pytorch.short_conv``. Fake kernels:
+``meta/short_conv.py``. The math: docs/math.md, Short convolution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dispatch
+from ..checks import check_cu_seqlens_values, check_short_conv
+from ..pytorch import short_conv as pytorch_short_conv
+from ..varlen import to_packed
+
+
+@torch.library.custom_op("cake::short_conv_fwd", mutates_args=())
+def short_conv_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    silu: bool,
+) -> torch.Tensor:
+    """x: [T, D]; weight: [D, W]; bias: [D]; initial_state: [N, D, W-1]. Returns y [T, D]
+    in x's dtype (fp32 accumulation)."""
+    T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
+    check_cu_seqlens_values(cu_seqlens, T)
+    return pytorch_short_conv.short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
+
+
+@short_conv_fwd.register_kernel("cuda")
+def _short_conv_fwd_cuda(x, weight, bias, cu_seqlens, initial_state, silu):
+    T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
+    check_cu_seqlens_values(cu_seqlens, T)
+    if dispatch.short_conv_fwd_cuda_refusal(x) is not None:
+        return pytorch_short_conv.short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
+    from .. import build
+
+    if bias is not None and bias.dtype != weight.dtype:
+        bias = bias.to(weight.dtype)  # the kernel reads bias in the weight's dtype
+    if weight.dtype not in (torch.float32, x.dtype):
+        weight = weight.float()
+    if initial_state is not None and initial_state.dtype not in (torch.float32, x.dtype):
+        initial_state = initial_state.float()
+    return build.load().short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
+
+
+@torch.library.custom_op("cake::short_conv_bwd", mutates_args=())
+def short_conv_bwd(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    silu: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (dx [T, D], dweight [D, W], dbias [D], dinitial_state [N, D, W-1]) in the
+    dtypes of x, weight, bias (weight's if None) and initial_state (x's if None)."""
+    T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
+    check_cu_seqlens_values(cu_seqlens, T)
+    # dispatch.short_conv_bwd_cuda_refusal: no CUDA backward yet, every device runs this.
+    return pytorch_short_conv.short_conv_bwd(dy, x, weight, bias, cu_seqlens, initial_state, silu)
+
+
+def _setup_context(ctx, inputs, output):
+    x, weight, bias, cu_seqlens, initial_state, silu = inputs
+    ctx.save_for_backward(x, weight, bias, cu_seqlens, initial_state)
+    ctx.silu = silu
+
+
+def _backward(ctx, dy):
+    x, weight, bias, cu_seqlens, initial_state = ctx.saved_tensors
+    dx, dweight, dbias, dinit = torch.ops.cake.short_conv_bwd(dy, x, weight, bias, cu_seqlens, initial_state, ctx.silu)
+    return dx, dweight, dbias if bias is not None else None, None, dinit if initial_state is not None else None, None
+
+
+short_conv_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def short_conv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    *,
+    initial_state: torch.Tensor | None = None,
+    activation: str | None = None,
+) -> torch.Tensor:
+    """Depthwise causal convolution over packed documents (differentiable).
+
+    Args:
+        x: [T, D] packed or [B, T, D]. weight: [D, W], W <= 4 (``weight[:, -1]`` multiplies
+            the current token). bias: [D]. cu_seqlens: [N+1] int32/int64 on x's device
+            tensor (None: one document per batch row; not allowed with B > 1).
+        initial_state: [N, D, W-1], the W-1 inputs before each document.
+        activation: None or "silu".
+    Returns:
+        y with x's shape and dtype.
+    """
+    if activation not in (None, "silu"):
+        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+    x, _, cu_seqlens, batch = to_packed("x", x, 2, cu_seqlens, {})
+    y = torch.ops.cake.short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, activation == "silu")
+    return y.unflatten(0, batch) if batch is not None else y

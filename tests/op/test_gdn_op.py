@@ -1,0 +1,309 @@
+"""The cake::gdn_fwd / cake::gdn_bwd ops through their public entries (cake_ops.gdn,
+torch.ops.cake.*, the FLA shim) on every device: accuracy against the FP64 reference,
+opcheck, torch.compile, input validation, CUDA-graph capture."""
+
+import random
+import warnings
+
+import pytest
+import torch
+
+import cake_ops
+from cake_ops.ops import gdn as gdn_ops
+from cake_ops.reference import gdn_reference
+from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
+
+from cases import GdnCase, params
+from conftest import DEVICES, record_accuracy
+
+_rng = random.Random(1234)
+CASES = [
+    GdnCase("edges_h2_l2_h0", (1, 63, 64, 65), H=2, l2norm=True, initial_state=True),
+    GdnCase("pack_gva2_bf16beta", tuple(_rng.randint(1, 150) for _ in range(5)), H=2, G=2, beta_dtype=torch.bfloat16),
+    GdnCase("strong_extreme_gva3_l2_h0", (65, 1, 130), G=3, gate="strong", beta="extreme", l2norm=True,
+            initial_state=True),
+    GdnCase("small_head_gva3_l2_bf16beta", tuple(_rng.randint(1, 120) for _ in range(4)), H=2, G=3, K=32, V=64,
+            beta_dtype=torch.bfloat16, l2norm=True),
+    GdnCase("slow_extreme_k64_h0", (64, 64, 7), H=2, G=2, K=64, V=64, gate="slow", beta="extreme", initial_state=True),
+    GdnCase("one_long_doc_strong_l2_h0", (200,), gate="strong", beta_dtype=torch.bfloat16, l2norm=True,
+            initial_state=True),
+    GdnCase("empty_docs_gva2_l2_h0", (0, 70, 0, 3, 0), G=2, K=64, V=32, beta="extreme", l2norm=True,
+            initial_state=True),
+]
+
+def _gdn_args(device, seed=0, initial_state=True, beta_dtype=torch.float32):
+    inp = make_gdn_inputs([5, 64, 30], 2, 4, 16, 16, initial_state=initial_state, beta_dtype=beta_dtype,
+                          device=device, seed=seed)
+    return inp
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("initial_state", [True, False])
+def test_opcheck_gdn_fwd(device, initial_state):
+    i = _gdn_args(device, initial_state=initial_state)
+    args = [i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, True, True]
+    for n in (0, 1, 2, 3, 4, 6):
+        if args[n] is not None:
+            args[n] = args[n].requires_grad_()
+    torch.library.opcheck(torch.ops.cake.gdn_fwd.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_gdn_bwd(device):
+    i = _gdn_args(device)
+    T = i["q"].shape[0]
+    do = torch.randn(T, 4, 16, device=device).bfloat16()
+    dht = torch.randn(3, 4, 16, 16, device=device)
+    for d in (dht, None):
+        args = [do, d, i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, False, True]
+        torch.library.opcheck(torch.ops.cake.gdn_bwd.default, args)
+
+
+def _run_case(case: GdnCase, device):
+    inp = case.inputs(device)
+    seed, l2, h0 = case.seed, case.l2norm, case.initial_state
+    names = ["q", "k", "v", "g", "beta"] + (["initial_state"] if h0 else [])
+    leaves = {n: inp[n].clone().requires_grad_() for n in names}
+    gen = torch.Generator().manual_seed(seed + 1)
+    with poisoned_allocations():
+        o, ht = cake_ops.gdn(
+            leaves["q"], leaves["k"], leaves["v"], leaves["g"], leaves["beta"], inp["cu_seqlens"],
+            initial_state=leaves.get("initial_state"), output_final_state=True, use_qk_l2norm=l2,
+        )
+        do = torch.randn(o.shape, generator=gen).to(device, o.dtype)
+        dht = torch.randn(ht.shape, generator=gen).to(device)
+        torch.autograd.backward([o, ht], [do, dht])
+
+    ref_leaves = {n: inp[n].detach().double().requires_grad_() for n in names}
+    ro, rht = gdn_reference(
+        ref_leaves["q"], ref_leaves["k"], ref_leaves["v"], ref_leaves["g"], ref_leaves["beta"],
+        inp["cu_seqlens"], initial_state=ref_leaves.get("initial_state"), use_qk_l2norm=l2,
+    )
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    pairs = {"o": (o, ro), "final_state": (ht, rht)}
+    for n in names:
+        pairs["d" + ("h0" if n == "initial_state" else n)] = (leaves[n].grad, ref_leaves[n].grad)
+    return pairs
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", params(CASES))
+def test_gdn_accuracy(case, device):
+    pairs = _run_case(case, device)
+    failures = []
+    for name, (x, ref) in pairs.items():
+        assert x is not None, f"no gradient for {name}"
+        if name == "dbeta":
+            assert x.dtype == case.beta_dtype
+        acc = accuracy(x, ref)
+        record_accuracy(f"gdn {name}", acc)
+        if not acc.ok:
+            failures.append(f"{name}: {acc}")
+    assert not failures, f"{case.id} on {device}: " + "; ".join(failures)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gdn_unused_final_state(device):
+    """Without output_final_state the final state's gradient is absent (None or zeros)."""
+    inp = make_gdn_inputs([40, 90], 2, 4, 64, 64, initial_state=True, device=device, seed=7)
+    leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    o, ht = cake_ops.gdn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), inp["cu_seqlens"],
+                         initial_state=leaves["initial_state"], use_qk_l2norm=True)
+    assert ht is None
+    do = torch.randn_like(o)
+    o.backward(do)
+    ref = {n: inp[n].detach().double().requires_grad_() for n in leaves}
+    ro, _ = gdn_reference(*(ref[n] for n in ("q", "k", "v", "g", "beta")), inp["cu_seqlens"],
+                          initial_state=ref["initial_state"], use_qk_l2norm=True)
+    ro.backward(do.double())
+    for n in leaves:
+        assert accuracy(leaves[n].grad, ref[n].grad).ok, n
+
+
+def test_gdn_batched_layout_equals_packed():
+    """[B, T, ...] is the packed case with cu_seqlens = arange(B+1) * T."""
+    inp = make_gdn_inputs([50, 50, 50], 2, 4, 32, 32, seed=3, initial_state=True)
+    packed, ht = cake_ops.gdn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
+                              initial_state=inp["initial_state"], output_final_state=True, use_qk_l2norm=True)
+    bt = [inp[n].unflatten(0, (3, 50)) for n in ("q", "k", "v", "g", "beta")]
+    batched, ht_b = cake_ops.gdn(*bt, initial_state=inp["initial_state"], output_final_state=True, use_qk_l2norm=True)
+    assert batched.shape == (3, 50, 4, 32)
+    assert torch.equal(batched.flatten(0, 1), packed) and torch.equal(ht_b, ht)
+
+
+def test_gdn_bwd_writes_every_element():
+    """gdn_bwd called directly under NaN-poisoned allocation returns only finite values,
+    also when dht is None."""
+    inp = make_gdn_inputs([3, 64, 66], 1, 2, 32, 32, seed=11)
+    T = inp["q"].shape[0]
+    do = torch.randn(T, 2, 32, dtype=torch.bfloat16)
+    with poisoned_allocations():
+        grads = torch.ops.cake.gdn_bwd(do, None, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                       inp["cu_seqlens"], None, 32**-0.5, True, True)
+    for x in grads:
+        assert torch.isfinite(x.float()).all()
+
+
+@pytest.mark.gpu
+def test_gdn_and_short_conv_capture_in_cuda_graph():
+    """No host sync inside the ops: a forward+backward captured in a CUDA graph and
+    replayed on new inputs of the same shape equals eager."""
+    lengths = [100, 1, 150]
+
+    def make(seed):
+        inp = make_gdn_inputs(lengths, 2, 4, 128, 128, initial_state=True, device="cuda", seed=seed)
+        x = torch.randn(sum(lengths), 64, device="cuda", generator=torch.Generator("cuda").manual_seed(seed))
+        return inp, x
+
+    inp, x = make(0)
+    leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")}
+    conv_w = torch.randn(64, 4, device="cuda")
+
+    def step():
+        o, ht = cake_ops.gdn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), inp["cu_seqlens"],
+                             initial_state=leaves["initial_state"], output_final_state=True, use_qk_l2norm=True)
+        y = cake_ops.short_conv(x, conv_w, None, inp["cu_seqlens"], activation="silu")
+        grads = torch.autograd.grad([o.float().square().sum(), ht.sum()], list(leaves.values()))
+        return (o, ht, y) + grads
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm-up outside the capture (lazy init, kernel build)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    new_inp, new_x = make(1)
+    with torch.no_grad():
+        for n in leaves:
+            leaves[n].copy_(new_inp[n])
+        x.copy_(new_x)
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = step()
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+
+
+def test_compile_fullgraph_ops_directly():
+    """torch.ops.cake.gdn_fwd called directly in a compiled function carries autograd."""
+    torch._dynamo.reset()
+    i = _gdn_args("cpu")
+
+    def f(q, k, v, g, beta, h0):
+        o, ht = torch.ops.cake.gdn_fwd(q, k, v, g, beta, i["cu_seqlens"], h0, 0.25, True, True)
+        return o.float().square().sum() + ht.sum()
+
+    leaves = [i[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    f(*leaves).backward()
+    eager = [t.grad for t in leaves]
+    leaves2 = [t.detach().clone().requires_grad_() for t in leaves]
+    torch.compile(f, fullgraph=True, backend="aot_eager")(*leaves2).backward()
+    for compiled, plain in zip([t.grad for t in leaves2], eager):
+        assert torch.equal(compiled, plain)
+
+
+def test_use_deterministic_algorithms_overrides_and_warns_once(monkeypatch):
+    monkeypatch.setattr(gdn_ops, "_warned_nondeterministic", False)
+    i = _gdn_args("cpu")
+    args = (i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"])
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            cake_ops.gdn(*args, deterministic=False)
+            cake_ops.gdn(*args, deterministic=False)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    msgs = [str(w.message) for w in caught if "deterministic" in str(w.message)]
+    assert len(msgs) == 1 and "running the deterministic variant" in msgs[0]
+    assert gdn_ops.effective_deterministic(False) is False  # the flag is off again
+
+
+# ---------------------------------------------------------------- FLA shim
+
+
+def test_fla_shim_equals_gdn():
+    i = _gdn_args("cpu")
+    o, ht = cake_ops.gdn(i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], scale=0.3,
+                         initial_state=i["initial_state"], output_final_state=True, use_qk_l2norm=True)
+    o2, ht2 = cake_ops.chunk_gated_delta_rule(
+        i["q"][None], i["k"][None], i["v"][None], i["g"][None], i["beta"][None], scale=0.3,
+        initial_state=i["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+        cu_seqlens=i["cu_seqlens"],
+    )
+    assert o2.shape == (1,) + o.shape
+    assert torch.equal(o2[0], o) and torch.equal(ht2, ht)
+    _, none = cake_ops.chunk_gated_delta_rule(i["q"][None], i["k"][None], i["v"][None], i["g"][None],
+                                              i["beta"][None], cu_seqlens=i["cu_seqlens"])
+    assert none is None
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _bad_gdn_calls():
+    i = _gdn_args("cpu")
+    q, k, v, g, beta, cu, h0 = (i[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state"))
+    T = q.shape[0]
+    yield "q dtype", TypeError, "q must have dtype", dict(q=q.to(torch.float64))
+    yield "k dtype", TypeError, "k must have the dtype of q", dict(k=k.float())
+    yield "q rank", ValueError, "q must be \\[T, H, K\\]", dict(q=q[:, 0])
+    yield "k shape", ValueError, "k must have shape", dict(k=k[:, :1])
+    yield "v T", ValueError, "v must be \\[T, HV, V\\]", dict(v=v[1:])
+    yield "HV not multiple", ValueError, "multiple of the q/k heads", dict(v=v[:, :3], g=g[:, :3], beta=beta[:, :3])
+    yield "g dtype", TypeError, "g must have dtype", dict(g=g.bfloat16())
+    yield "g shape", ValueError, "g must have shape", dict(g=g[:, :2])
+    yield "beta dtype", TypeError, "beta must have dtype", dict(beta=beta.double())
+    yield "cu dtype", TypeError, "cu_seqlens must have dtype", dict(cu_seqlens=cu.float())
+    yield "cu rank", ValueError, "cu_seqlens must be 1-D", dict(cu_seqlens=cu[:1])
+    yield "cu start", ValueError, "cu_seqlens must start at 0", dict(cu_seqlens=cu + 1)
+    yield "cu end", ValueError, "end at T", dict(cu_seqlens=torch.tensor([0, 5, 50, T - 1], dtype=torch.int32))
+    yield "cu decreasing", ValueError, "non-decreasing", dict(cu_seqlens=torch.tensor([0, 50, 40, T], dtype=torch.int32))
+    yield "h0 shape", ValueError, "initial_state must have shape", dict(initial_state=h0[:2])
+    yield "h0 dtype", TypeError, "initial_state must have dtype", dict(initial_state=h0.bfloat16())
+    yield "device", ValueError, "must be on cpu", dict(g=g.to("meta"))
+    yield "cu list", TypeError, "cu_seqlens must be a torch.Tensor", dict(cu_seqlens=cu.tolist())
+    yield "scale nan", ValueError, "scale must be finite", dict(scale=float("nan"))
+    yield "scale inf", ValueError, "scale must be finite", dict(scale=float("inf"))
+    yield "scale str", TypeError, "scale must be a float", dict(scale="0.1")
+    empty = q[..., :0]
+    yield "K = 0", ValueError, "head dims K = q.shape\\[-1\\] .* must be positive", dict(q=empty, k=empty)
+
+
+@pytest.mark.parametrize("what,exc,match,override", list(_bad_gdn_calls()), ids=[c[0] for c in _bad_gdn_calls()])
+def test_gdn_bad_input(what, exc, match, override):
+    i = _gdn_args("cpu")
+    args = dict(q=i["q"], k=i["k"], v=i["v"], g=i["g"], beta=i["beta"], cu_seqlens=i["cu_seqlens"],
+                initial_state=i["initial_state"])
+    args.update(override)
+    with pytest.raises(exc, match=match):
+        cake_ops.gdn(**args)
+
+
+def test_gdn_bad_scale_from_torch_ops():
+    """The op itself refuses a non-finite scale (compiled models call it directly)."""
+    i = _gdn_args("cpu")
+    with pytest.raises(ValueError, match="scale must be finite"):
+        torch.ops.cake.gdn_fwd(i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], None, float("nan"),
+                               False, True)
+
+
+def test_gdn_bad_input_under_compile():
+    """Static checks also fire while torch.compile traces (Dynamo may wrap the error)."""
+    torch._dynamo.reset()
+    i = _gdn_args("cpu")
+    f = torch.compile(cake_ops.gdn, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="g must have dtype"):
+        f(i["q"], i["k"], i["v"], i["g"].bfloat16(), i["beta"], i["cu_seqlens"])
+
+
+def test_gdn_batched_with_cu_seqlens_refused():
+    i = _gdn_args("cpu")
+    q = i["q"][:90].unflatten(0, (2, 45))
+    with pytest.raises(ValueError, match="batch of 1"):
+        cake_ops.gdn(q, q, q.repeat(1, 1, 2, 1), torch.zeros(2, 45, 4) - 1, torch.rand(2, 45, 4), i["cu_seqlens"])
+
+
