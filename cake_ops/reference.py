@@ -1,8 +1,8 @@
 """FP64 ground truth: the gated delta rule token by token, and the short causal convolution.
 
-Slow on purpose: one token at a time, exactly the recurrence of DESIGN.md §1, so that
-every chunked or fused implementation is checked against the definition and not
-against another chunked algorithm. Differentiable with plain autograd (FP64 gradients
+Slow on purpose: one token at a time, exactly the recurrence of docs/math.md (The
+recurrence), so that every chunked or fused implementation is checked against the
+definition and not against another chunked algorithm. Differentiable with plain autograd (FP64 gradients
 are the reference gradients). Reads ``cu_seqlens`` on the host: it is not an op.
 """
 

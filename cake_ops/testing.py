@@ -1,4 +1,4 @@
-"""The accuracy contract (DESIGN.md §2) as code, shared by the tests and the benchmark.
+"""The accuracy contract (docs/contract.md, Accuracy) as code, shared by the tests and the benchmark.
 
 Every output and gradient must be finite and meet, against the FP64 reference,
     rel-RMS = ||x - ref|| / ||ref|| <= 1e-2   and   max|x - ref| <= 2e-2 * max|ref|.

@@ -1,7 +1,7 @@
-"""The CUDA GDN forward (``torch.ops.cake_cuda.gdn_fwd``, csrc/gdn_fwd*.cu) on the GPU.
+"""The CUDA GDN forward (``torch.ops.cake_cuda.gdn_fwd``, csrc/gdn/) on the GPU.
 
-Checked against the FP64 token-by-token reference (the accuracy contract of DESIGN.md
-§2) under NaN-poisoned allocation, stage by stage (the prep op's A diag(beta), gcum and chunk_decay
+Checked against the FP64 token-by-token reference (docs/contract.md, Accuracy) under
+NaN-poisoned allocation, stage by stage (the prep op's A diag(beta), gcum and chunk_decay
 against the PyTorch chunked algorithm, then o and the final state), plus bitwise
 determinism, CUDA-graph capture, the walk cut into segments (summaries, chain, walk;
 exact and truncated cuts; the deterministic grid; the same bits on 16 and 64 SMs) and the six benchmark shapes (first and last document
@@ -17,28 +17,29 @@ import pytest
 import torch
 
 import cake_ops
-from cake_ops import build, chunked
+from cake_ops import build, dispatch
+from cake_ops.pytorch import gdn as pytorch_gdn
 from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
+from cases import GdnCase
 from conftest import record_accuracy
 
 pytestmark = pytest.mark.gpu
 
-DOCS = [1, 63, 64, 65, 200]
+DOCS = (1, 63, 64, 65, 200)
 
-# (id, lengths, H, G, gate, beta, beta dtype, in-op l2 norm, initial state, cu_seqlens dtype)
 CASES = [
-    ("one_chunk", [64], 1, 1, "normal", "uniform", torch.float32, False, False, torch.int32),
-    ("ragged_chunk", [37], 1, 1, "normal", "uniform", torch.float32, True, True, torch.int32),
-    ("docs_h1", DOCS, 1, 1, "normal", "uniform", torch.float32, False, False, torch.int32),
-    ("docs_h2_l2_h0", DOCS, 2, 1, "normal", "uniform", torch.float32, True, True, torch.int64),
-    ("docs_gva2_bf16beta", DOCS, 2, 2, "normal", "uniform", torch.bfloat16, False, True, torch.int32),
-    ("docs_gva3_strong_extreme", DOCS, 1, 3, "strong", "extreme", torch.float32, True, True, torch.int32),
-    ("docs_h2_gva3_strong_bf16beta", DOCS, 2, 3, "strong", "uniform", torch.bfloat16, True, False, torch.int64),
-    ("docs_h2_gva2_slow", DOCS, 2, 2, "slow", "extreme", torch.float32, False, True, torch.int32),
-    ("empty_docs", [0, 70, 0, 3, 0], 1, 2, "normal", "extreme", torch.float32, True, True, torch.int32),
-    ("long_doc", [700], 1, 1, "normal", "uniform", torch.float32, True, True, torch.int32),
+    GdnCase("one_chunk", (64,)),
+    GdnCase("ragged_chunk", (37,), l2norm=True, initial_state=True),
+    GdnCase("docs_h1", DOCS),
+    GdnCase("docs_h2_l2_h0", DOCS, H=2, l2norm=True, initial_state=True, cu_dtype=torch.int64),
+    GdnCase("docs_gva2_bf16beta_h0", DOCS, H=2, G=2, beta_dtype=torch.bfloat16, initial_state=True),
+    GdnCase("docs_gva3_strong_extreme_l2_h0", DOCS, G=3, gate="strong", beta="extreme", l2norm=True, initial_state=True),
+    GdnCase("docs_h2_gva3_strong_bf16beta_l2", DOCS, H=2, G=3, gate="strong", beta_dtype=torch.bfloat16, l2norm=True, cu_dtype=torch.int64),
+    GdnCase("docs_h2_gva2_slow_extreme_h0", DOCS, H=2, G=2, gate="slow", beta="extreme", initial_state=True),
+    GdnCase("empty_docs", (0, 70, 0, 3, 0), G=2, beta="extreme", l2norm=True, initial_state=True),
+    GdnCase("long_doc", (700,), l2norm=True, initial_state=True),
 ]
 
 
@@ -49,14 +50,8 @@ def ops():
     return build.load()
 
 
-def _inputs(case, seed=0):
-    _, lengths, H, G, gate, beta, beta_dtype, l2, h0, cu_dtype = case
-    inp = make_gdn_inputs(
-        lengths, H, H * G, 128, 128, gate=gate, beta=beta, beta_dtype=beta_dtype,
-        normalized_qk=not l2, initial_state=h0, device="cuda", seed=seed,
-    )
-    inp["cu_seqlens"] = inp["cu_seqlens"].to(cu_dtype)
-    return inp, l2
+def _inputs(case: GdnCase, seed=0):
+    return case.inputs("cuda", seed), case.l2norm
 
 
 def _call(ops, inp, l2, scale=128**-0.5, deterministic=True, segment_chunks=-1, value_splits=-1):
@@ -91,15 +86,15 @@ def _used_slots(lengths):
     return sum(-(-n // 64) for n in lengths)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_prep_matches_chunked(ops, case):
     """Stage 1 alone: A diag(beta) (bf16), gcum and chunk_decay against the PyTorch
     chunked algorithm."""
     inp, l2 = _inputs(case, seed=1)
     with poisoned_allocations():
         a, gcum, decay = ops.gdn_fwd_prep(inp["q"], inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
-    prep, _ = chunked._prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
-    used = _used_slots(case[1])
+    prep, _ = pytorch_gdn.prepare(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], l2)
+    used = _used_slots(case.lengths)
     a_ref = prep.A * prep.beta[..., None, :]
     assert a.shape == a_ref.shape and gcum.shape == prep.gcum.shape
     acc_a = accuracy(a[:used].float(), a_ref[:used])
@@ -123,7 +118,7 @@ def test_prep_chunk_decay_marks_non_contractions(ops):
     k[300:500] = (k[300:500].float() * 2).to(k.dtype)
     with poisoned_allocations():
         _, gcum, decay = ops.gdn_fwd_prep(inp["q"], k, inp["g"], inp["beta"], inp["cu_seqlens"], False)
-    prep, _ = chunked._prepare(inp["q"], k, inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], False)
+    prep, _ = pytorch_gdn.prepare(inp["q"], k, inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], False)
     used = _used_slots(lengths)
     bk = prep.beta[:used] * torch.diagonal(prep.kk[:used], dim1=-2, dim2=-1)  # [used, HV, 64]
     contraction = ((bk >= 0) & (bk <= 2)).all(-1)
@@ -133,29 +128,29 @@ def test_prep_chunk_decay_marks_non_contractions(ops):
     assert torch.equal(decay[:used][clear], expect[clear])
 
 
-@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
 def test_gdn_fwd_accuracy(ops, case):
     inp, l2 = _inputs(case, seed=2)
     with poisoned_allocations():
         o, ht = _call(ops, inp, l2)
     T, HV = inp["v"].shape[:2]
-    N = len(case[1])
+    N = len(case.lengths)
     assert o.shape == (T, HV, 128) and o.dtype == torch.bfloat16
     assert ht.shape == (N, HV, 128, 128) and ht.dtype == torch.float32
-    _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd", case[0])
+    _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd", case.id)
 
 
 # Cut grids (in chunks) small enough that these documents are cut many times: segments
 # of one chunk, ragged last segments, documents of one segment next to cut ones.
 SEGMENT_CASES = [
-    ("docs_h2_l2_h0", [1, 63, 64, 65, 200, 700], 2, 1, "normal", "uniform", torch.float32, True, True, torch.int32),
-    ("gva3_strong_extreme", [130, 0, 450], 1, 3, "strong", "extreme", torch.float32, True, True, torch.int64),
-    ("gva2_slow_bf16beta", [520, 3, 260], 2, 2, "slow", "uniform", torch.bfloat16, False, False, torch.int32),
+    GdnCase("docs_h2_l2_h0", (1, 63, 64, 65, 200, 700), H=2, l2norm=True, initial_state=True),
+    GdnCase("gva3_strong_extreme", (130, 0, 450), G=3, gate="strong", beta="extreme", l2norm=True, initial_state=True, cu_dtype=torch.int64),
+    GdnCase("gva2_slow_bf16beta", (520, 3, 260), H=2, G=2, gate="slow", beta_dtype=torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("segment_chunks", [1, 2, 3])
-@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c[0] for c in SEGMENT_CASES])
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c.id for c in SEGMENT_CASES])
 def test_segmented_walk_accuracy(ops, case, segment_chunks):
     """The walk cut into segments (summaries E_s and M_s, the fp32 chain, the walk from
     the chained start states) against FP64, every output and workspace NaN-poisoned. The
@@ -164,7 +159,7 @@ def test_segmented_walk_accuracy(ops, case, segment_chunks):
     inp, l2 = _inputs(case, seed=20 + segment_chunks)
     with poisoned_allocations():
         o, ht = _call(ops, inp, l2, segment_chunks=segment_chunks)
-    _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd segmented", f"{case[0]} cut every {segment_chunks} chunks")
+    _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd segmented", f"{case.id} cut every {segment_chunks} chunks")
 
 
 def test_truncated_and_exact_cuts_mixed(ops):
@@ -206,7 +201,7 @@ def test_summary_walks_outnumber_the_sms(ops):
     _assert_matches_reference(o1, h1, inp, True, "cuda gdn_fwd segmented", "summary walks outnumber the SMs")
 
 
-@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c[0] for c in SEGMENT_CASES])
+@pytest.mark.parametrize("case", SEGMENT_CASES, ids=[c.id for c in SEGMENT_CASES])
 def test_value_split_walk_is_bitwise_the_unsplit_walk(ops, case):
     """The walks split by value columns (two CTAs per (segment, value head), each with one
     state warpgroup for half the columns; the plan's choice for shapes with few walks)
@@ -221,7 +216,7 @@ def test_value_split_walk_is_bitwise_the_unsplit_walk(ops, case):
                 results.append(_call(ops, inp, l2, segment_chunks=segment_chunks, value_splits=value_splits))
         (o1, h1), (o2, h2) = results
         assert torch.equal(o1, o2) and torch.equal(h1, h2), f"cut every {segment_chunks} chunks"
-        _assert_matches_reference(o2, h2, inp, l2, "cuda gdn_fwd value split", f"{case[0]} cut {segment_chunks}")
+        _assert_matches_reference(o2, h2, inp, l2, "cuda gdn_fwd value split", f"{case.id} cut {segment_chunks}")
 
 
 def test_segmented_walk_is_bitwise_deterministic(ops):
@@ -236,7 +231,7 @@ def test_deterministic_plan_depends_on_the_document_alone(ops):
     document's bits are the same alone and packed with others (any T, N, SM count); the non-deterministic
     plan (here cut differently) still meets the contract."""
     long_len = 64 * 64 * 2 + 100  # three segments of the fixed 64-chunk grid
-    case = ("packed", [300, long_len, 4000], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    case = GdnCase("packed", (300, long_len, 4000), G=2, l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=31)
     o_packed, h_packed = _call(ops, inp, l2, deterministic=True)
     a, b = 300, 300 + long_len
@@ -258,7 +253,7 @@ def test_deterministic_grid_is_finer_for_a_long_document(ops):
     document's bits are those of an explicit 32-chunk grid on it alone, the shorter one's
     those of a 64-chunk grid; against FP64, NaN-poisoned."""
     short_len, long_len = 64 * 130 + 5, 64 * 256 + 37  # 131 and 257 chunks
-    case = ("short_and_long", [short_len, long_len], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    case = GdnCase("short_and_long", (short_len, long_len), G=2, l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=45)
     with poisoned_allocations():
         o, ht = _call(ops, inp, l2)
@@ -317,12 +312,12 @@ def test_segmented_cuda_graph_replay_equals_eager(ops):
 
 
 def test_empty_document_final_state_is_initial_state(ops):
-    case = ("empty", [0, 5, 0], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    case = GdnCase("empty", (0, 5, 0), G=2, l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=3)
     with poisoned_allocations():
         _, ht = _call(ops, inp, l2)
     assert torch.equal(ht[0], inp["initial_state"][0]) and torch.equal(ht[2], inp["initial_state"][2])
-    case = ("empty0", [0, 5, 0], 1, 2, "normal", "uniform", torch.float32, True, False, torch.int32)
+    case = GdnCase("empty0", (0, 5, 0), G=2, l2norm=True)
     inp, l2 = _inputs(case, seed=3)
     with poisoned_allocations():
         _, ht = _call(ops, inp, l2)
@@ -341,7 +336,7 @@ def test_no_tokens(ops):
 
 
 def test_bitwise_deterministic(ops):
-    case = ("det", DOCS, 2, 3, "normal", "uniform", torch.float32, True, True, torch.int32)
+    case = GdnCase("det", DOCS, H=2, G=3, l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=5)
     o1, h1 = _call(ops, inp, l2)
     o2, h2 = _call(ops, inp, l2)
@@ -394,8 +389,7 @@ def test_deterministic_bits_do_not_depend_on_the_sm_count(ops):
     cut (summaries with exact cuts under the slow gate, the chain) beside shorter ones.
     The 16-SM run must take at least twice as long, or the green context did not hold the
     kernels to its SMs and the test proved nothing."""
-    case = ("sm_count", [64 * 256 + 37, 64 * 70 + 3, 4096], 4, 4, "slow", "uniform", torch.float32, True, True,
-            torch.int32)
+    case = GdnCase("sm_count", (64 * 256 + 37, 64 * 70 + 3, 4096), H=4, G=4, gate="slow", l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=46)
     run = lambda: _call(ops, inp, l2)  # noqa: E731
     (o_full, h_full), ms_full = _timed(run, 3)
@@ -409,7 +403,7 @@ def test_deterministic_bits_do_not_depend_on_the_sm_count(ops):
 def test_documents_are_isolated(ops):
     """Changing one document's tokens changes no other document's outputs (no reads or
     writes across a document boundary, also for ragged chunks)."""
-    case = ("iso", [65, 37, 130], 1, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    case = GdnCase("iso", (65, 37, 130), G=2, l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=6)
     o1, h1 = _call(ops, inp, l2)
     inp2 = dict(inp)
@@ -428,7 +422,7 @@ def test_non_finite_neighbours_do_not_leak(ops, segment_chunks):
     """The walk's loads (TMA boxes of 64 rows) read past a ragged document's end into the
     next document; those rows must count as zeros. With inf and NaN in the next document's
     q, k and v, the first document's bits equal those it gets alone; uncut and cut."""
-    case = ("nan_next", [100, 64, 37], 1, 2, "slow", "uniform", torch.float32, True, True, torch.int32)
+    case = GdnCase("nan_next", (100, 64, 37), G=2, gate="slow", l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=7)
     for n, bad in (("q", float("inf")), ("k", float("nan")), ("v", float("-inf"))):
         x = inp[n].clone()
@@ -444,7 +438,7 @@ def test_non_finite_neighbours_do_not_leak(ops, segment_chunks):
 
 
 def test_cuda_graph_replay_equals_eager(ops):
-    case = ("graph", DOCS, 2, 2, "normal", "uniform", torch.float32, True, True, torch.int32)
+    case = GdnCase("graph", DOCS, H=2, G=2, l2norm=True, initial_state=True)
     static, l2 = _inputs(case, seed=7)
     fresh, _ = _inputs(case, seed=8)
     stream = torch.cuda.Stream()
@@ -517,10 +511,55 @@ def test_non_positive_scale_falls_back_to_pytorch(ops):
             assert not o.any()
 
 
+def _refusal_cases():
+    """Calls that cake_ops.dispatch sends away from the CUDA forward, one per condition
+    of its rule: (id, inputs, scale)."""
+    base = make_gdn_inputs([70, 10], 1, 2, 128, 128, device="cuda", seed=12)
+    half = {n: (t.half() if n in ("q", "k", "v") else t) for n, t in base.items()}
+    small = make_gdn_inputs([70, 10], 1, 2, 64, 64, device="cuda", seed=12)
+    wide_v = dict(base, v=torch.randn(80, 2, 64, device="cuda").bfloat16())
+    yield "fp16_qkv", half, 0.1
+    yield "head_dim_64", small, 0.125
+    yield "v_dim_64", wide_v, 0.1
+    yield "scale_zero", base, 0.0
+    yield "scale_negative", base, -0.1
+
+
+@pytest.mark.parametrize("case", list(_refusal_cases()), ids=[c[0] for c in _refusal_cases()])
+def test_dispatch_rule_and_binding_agree(ops, case):
+    """Every call the Python rule refuses, the binding refuses too (RuntimeError naming
+    what is wrong), so the two cannot drift apart; the op itself then runs PyTorch."""
+    name, inp, scale = case
+    args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
+    why = dispatch.gdn_fwd_cuda_refusal(*args, scale)
+    assert why is not None and "pytorch_implementation" not in why, why
+    with pytest.raises(RuntimeError, match="gdn_fwd: "):
+        ops.gdn_fwd(*args, None, scale, False, True, -1, -1)
+    o, _ = torch.ops.cake.gdn_fwd(*args, None, scale, False, True)  # falls back, no error
+    assert o.shape == inp["v"].shape
+    good = make_gdn_inputs([70, 10], 1, 2, 128, 128, device="cuda", seed=12)
+    assert dispatch.gdn_fwd_cuda_refusal(*(good[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), 0.1) is None
+
+
+def test_full_reset_gate_on_the_kernels(ops):
+    """g = -inf (e^g = 0) resets the state on the CUDA forward too (the prep clamps g to
+    the floor, csrc/gdn/gdn.h kGdnGateFloor): o and the final state are the FP64
+    recurrence's, also with the walk cut at every chunk (summaries and chain see it)."""
+    case = GdnCase("resets", (70, 300, 5), G=2, l2norm=True, initial_state=True)
+    inp, l2 = _inputs(case, seed=13)
+    g = inp["g"].clone()
+    g[[0, 30, 70 + 63, 70 + 64, 70 + 200, 70 + 201, 370]] = float("-inf")
+    inp["g"] = g
+    for segment_chunks in (-1, 1):
+        with poisoned_allocations():
+            o, ht = _call(ops, inp, l2, segment_chunks=segment_chunks)
+        _assert_matches_reference(o, ht, inp, l2, "cuda gdn_fwd (g = -inf)", f"cut {segment_chunks}")
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["det", "nd"])
 @pytest.mark.parametrize("name", ["s32k_h16", "s64k_h16", "s16k_long", "s256k_h2", "s16k_h8", "s32k_h2"])
 def test_bench_shapes_against_fp64(ops, name, deterministic):
-    """The six BENCH.md shapes with the benchmark's own inputs (mamba gate, in-op L2 norm)
+    """The six benchmark shapes (docs/benchmark.md, Shapes) with the benchmark's own inputs (mamba gate, in-op L2 norm)
     plus an initial state, whole shape through the kernels (each variant's own plan) under
     NaN poisoning; the first and the last document checked against the FP64 reference
     (run on the GPU)."""

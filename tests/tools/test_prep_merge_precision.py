@@ -1,5 +1,5 @@
 """tools/prep_merge_precision.py (CPU): the emulated blocked inverse of the prep against
-fp64, the evidence for its merge precision (csrc/gdn_fwd_prep.cu NOTES)."""
+fp64, the evidence for its merge precision (docs/experiments.md; csrc/gdn/fwd_prep.cu)."""
 
 import importlib.util
 from pathlib import Path
