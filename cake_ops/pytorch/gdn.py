@@ -141,22 +141,27 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
     return o.to(v.dtype).contiguous(), final.contiguous()
 
 
-def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
-    """Chunked backward. Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of
-    (q, k, v, g, beta) and fp32 for dh0 [N, HV, K, V]."""
-    T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    N = cu_seqlens.shape[0] - 1
-    G = HV // H
-    prep, rstd = prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+class Tapes(NamedTuple):
+    """What the backward's two walks leave per chunk slot and value head (fp32)."""
+
+    h: torch.Tensor  # [NC, HV, K, V] the state at the chunk's start
+    v_new: torch.Tensor  # [NC, HV, C, V]
+    dS_end: torch.Tensor  # [NC, HV, K, V] the gradient of the state at the chunk's end
+    dv_new: torch.Tensor  # [NC, HV, C, V] the gradient of v_new
+    dh0: torch.Tensor  # [N, HV, K, V] the gradient of the initial state
+
+
+def walk_tapes(prep: Prepared, do, dht, initial_state, scale) -> Tapes:
+    """The sequential part of the backward: the state walk forward (h, v_new) and the
+    state gradient's walk back (dS_end, dv_new, dh0)."""
     lay = prep.layout
-    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=torch.float32)
+    N = lay.doc_first_slot.shape[0]
+    HV, K, V = prep.gcum.shape[1], prep.w.shape[-1], prep.u.shape[-1]
+    h0 = initial_state.float() if initial_state is not None else prep.u.new_zeros(N, HV, K, V)
     h, v_new, _ = _walk(prep, h0)
     dht = dht.float() if dht is not None else h0.new_zeros(N, HV, K, V)
-
     gcum, decay = prep.gcum, prep.decay
-    eg = gcum.exp()
-    q_gated = scale * eg[..., None] * prep.q  # the output's state term reads S through e^gcum q
+    q_gated = scale * gcum.exp()[..., None] * prep.q  # the output's state term reads S through e^gcum q
     P = scale * prep.qk * decay  # intra-chunk attention, lower triangle incl. diagonal
     doc_ = to_chunks(do.float(), lay)  # [NC, HV, C, V]
     gamma = gcum[..., -1].exp()
@@ -177,6 +182,21 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
     f = lay.doc_first_slot
     dS_start = dS_from_o[f] + gamma[f][..., None, None] * dS_end[f] - prep.w[f].transpose(-1, -2) @ dv_new[f]
     dh0 = torch.where(lay.doc_nonempty[:, None, None, None], dS_start, dht)
+    return Tapes(h, v_new, dS_end, dv_new, dh0)
+
+
+def local_gradients(prep: Prepared, rstd, tapes: Tapes, do, scale, G: int):
+    """The chunk-local part of the backward, given the walks' tapes: fp32 (dq, dk) per
+    q/k token row [T, H, K] (summed over the GVA group, through the in-op L2 norm) and
+    (dv [T, HV, V], dg [T, HV], dbeta [T, HV])."""
+    lay = prep.layout
+    h, v_new, dS_end, dv_new = tapes.h, tapes.v_new, tapes.dS_end, tapes.dv_new
+    gcum, decay = prep.gcum, prep.decay
+    eg = gcum.exp()
+    q_gated = scale * eg[..., None] * prep.q
+    P = scale * prep.qk * decay
+    doc_ = to_chunks(do.float(), lay)
+    gamma = gcum[..., -1].exp()
 
     # Output: o = q_gated h + P v_new.
     dq_gated = doc_ @ h.transpose(-1, -2)
@@ -224,11 +244,19 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
     if rstd is not None:
         qn, rq, kn, rk = rstd
         dq, dk = _l2norm_bwd(dq, qn, rq), _l2norm_bwd(dk, kn, rk)
-    dv = from_chunks(dv, lay)
+    return dq, dk, from_chunks(dv, lay), from_chunks(dg[..., None], lay)[..., 0], from_chunks(dbeta[..., None], lay)[..., 0]
+
+
+def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
+    """Chunked backward. Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of
+    (q, k, v, g, beta) and fp32 for dh0 [N, HV, K, V]."""
+    prep, rstd = prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    tapes = walk_tapes(prep, do, dht, initial_state, scale)
+    dq, dk, dv, dg, dbeta = local_gradients(prep, rstd, tapes, do, scale, v.shape[1] // q.shape[1])
+    dh0 = tapes.dh0
     # Below the floor g does not reach the output (the clamp's gradient is 0 there; the
     # true one, e^g times bounded terms, is below fp32 resolution).
-    dg = torch.where(g < GATE_FLOOR, 0.0, from_chunks(dg[..., None], lay)[..., 0])
-    dbeta = from_chunks(dbeta[..., None], lay)[..., 0]
+    dg = torch.where(g < GATE_FLOOR, 0.0, dg)
     return (
         dq.to(q.dtype).contiguous(),
         dk.to(k.dtype).contiguous(),
