@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """A/B the CUDA sources of several revisions in one device call.
 
-Here (with git), export each revision's csrc/ and tests/ into .ab/ (git-ignored):
+Here (with git), export each revision's csrc/, cake_ops/, meta/ and tests/ into .ab/
+(git-ignored):
 
     python tools/ab_csrc.py export main try/p-one-product try/no-qkn
 
@@ -9,12 +10,16 @@ There (the device, which gets the working tree without .git; carry ".ab"):
 
     python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests] [--trees main,try_x] [--rounds 2]
 
-For each exported tree in the order given: its csrc/ and tests/ are swapped in, built
-into $CAKE_OPS_CACHE (a key per tree), timed per kernel with tools/gdn_fwd_gpu_check.py
---no-tests (deterministic and non-deterministic plans), and with --tests checked by the
-tree's own tests/test_gdn_cuda.py (so a branch's new tests run with its kernels; the
-cake_ops package stays the checkout's); the checkout's own csrc/ and tests/ are put back
-at the end, whatever happened. A table of each tree's kernel times per shape and plan closes the output,
+For each exported tree in the order given: its csrc/, cake_ops/, meta/ and tests/ are
+swapped in (so each tree builds with its own cake_ops/build.py: a flat csrc/ of old
+revisions such as 6ed5175 and the folder tree of newer ones alike), built into
+$CAKE_OPS_CACHE (a key per tree), timed per kernel with the checkout's
+tools/gdn_fwd_gpu_check.py --no-tests (deterministic and non-deterministic plans; it
+imports the tree's cake_ops.bench), and with --tests checked by the tree's own GPU
+tests of the GDN forward (tests/cuda/test_gdn_fwd_cuda.py, or tests/test_gdn_cuda.py in
+old trees: whichever the tree has), so a branch's new tests run with its kernels. A
+part a revision does not have stays the checkout's. The checkout's own four folders are
+put back at the end, whatever happened. A table of each tree's kernel times per shape and plan closes the output,
 which also goes to $OUT/ab_csrc.log when $OUT is set. Trees are timed one after
 another; with --rounds R the order is palindromic (A B C, C B A, A B C, ...; each tree
 built once, tested on its first visit) and the table gives each tree's mean over the
@@ -35,7 +40,12 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 AB = ROOT / ".ab"
-SWAPPED = ("csrc", "tests")  # what each exported tree replaces in the checkout while it runs
+# What each exported tree replaces in the checkout while it runs: the sources and the
+# build that compiles them (cake_ops/build.py, whose layout rules changed with the
+# csrc/ folders), the fake kernels, and the tests that go with them.
+SWAPPED = ("csrc", "cake_ops", "meta", "tests")
+# The GPU tests of the GDN forward, newest layout first: the first one a tree has is run.
+GDN_TESTS = ("tests/cuda/test_gdn_fwd_cuda.py", "tests/test_gdn_cuda.py")
 LINE = re.compile(r"^(\S+)\s+(det|nd)\s+kernels\s+([\d.]+) ms/call.*\[(.*)\]")
 KERNEL = re.compile(r"F\d+ (\w+) ([\d.]+)")
 
@@ -63,7 +73,10 @@ def export(revs: list[str]) -> None:
         name = re.sub(r"[^A-Za-z0-9_.-]", "_", rev)
         dest = AB / name
         dest.mkdir()
-        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *SWAPPED], check=True, capture_output=True)
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-tree", "--name-only", rev, *SWAPPED], check=True,
+                                capture_output=True, text=True).stdout.split()
+        parts = [part for part in SWAPPED if part in listed]  # git archive refuses a path the revision lacks
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *parts], check=True, capture_output=True)
         subprocess.run(["tar", "-x", "-C", str(dest)], input=archive.stdout, check=True)
         sha = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], check=True, capture_output=True,
                              text=True).stdout.strip()
@@ -102,10 +115,11 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
                 continue
             first = name not in seen
             seen.add(name)
-            for part in SWAPPED:  # (a tree exported without tests/ keeps the checkout's)
+            for part in SWAPPED:  # (a tree exported without one of them keeps the checkout's)
                 source = AB / name / part if (AB / name / part).exists() else saved / part
                 shutil.rmtree(ROOT / part)
-                shutil.copytree(source, ROOT / part)
+                # Without the bytecode of another tree's modules.
+                shutil.copytree(source, ROOT / part, ignore=shutil.ignore_patterns("__pycache__"))
             say(f"===== {name} ({sha})")
             build = subprocess.run([sys.executable, "-m", "cake_ops.build"], cwd=ROOT, capture_output=True, text=True)
             say((build.stdout + build.stderr).strip().splitlines()[-1] if (build.stdout + build.stderr).strip() else "")
@@ -123,11 +137,16 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
                     say(line.strip())
                     samples.setdefault((m.group(1), m.group(2), name), []).append(m.group(4))
             if tests and first:
+                found = [path for path in GDN_TESTS if (ROOT / path).is_file()]
+                if not found:
+                    say(f"tests: the tree has none of {', '.join(GDN_TESTS)}")
+                    failed.append(f"{name}: tests")
+                    continue
                 pytest = subprocess.run(
-                    [sys.executable, "-m", "pytest", "-q", "-x", "tests/test_gdn_cuda.py", "-p", "no:cacheprovider"],
+                    [sys.executable, "-m", "pytest", "-q", "-x", found[0], "-p", "no:cacheprovider"],
                     cwd=ROOT, capture_output=True, text=True, timeout=400,
                 )
-                say("tests: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
+                say(f"tests {found[0]}: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
                 if pytest.returncode != 0:
                     failed.append(f"{name}: tests")
     finally:
@@ -148,11 +167,11 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
-    ex = sub.add_parser("export", help="export the csrc/ and tests/ of each revision into .ab/ (needs git)")
+    ex = sub.add_parser("export", help="export the csrc/, cake_ops/, meta/ and tests/ of each revision into .ab/ (needs git)")
     ex.add_argument("revs", nargs="+")
     rn = sub.add_parser("run", help="build, time (and test) each exported tree in turn (needs a Hopper GPU)")
     rn.add_argument("--shapes", default="s64k_h16,s256k_h2,s32k_h16,s16k_long")
-    rn.add_argument("--tests", action="store_true", help="also run tests/test_gdn_cuda.py on each tree")
+    rn.add_argument("--tests", action="store_true", help="also run each tree's own GPU GDN-forward tests (" + " or ".join(GDN_TESTS) + ")")
     rn.add_argument("--trees", help="comma list of exported tree names (default: all, in export order)")
     rn.add_argument("--rounds", type=int, default=1, help="time the trees this many times, in palindromic order")
     args = parser.parse_args()

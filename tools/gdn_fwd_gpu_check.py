@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""One-shot GPU check of the CUDA GDN forward (csrc/gdn_fwd*.cu): build, tests, timings.
+"""One-shot GPU check of the CUDA GDN forward (csrc/gdn/fwd*.cu): build, tests, timings.
 
     python tools/gdn_fwd_gpu_check.py [--no-tests] [--segments 0,16,32,64] [--splits 1,2]
                                       [--shapes s16k_long,s32k_h2]   # repo root, Hopper GPU
@@ -8,7 +8,7 @@ Stages, each guarded so that one failure does not hide the others:
   1. environment: torch, CUDA, device;
   2. build: cake_ops.build.load() (JIT, cached), plus ptxas register / spill lines and
      the tensor-core instructions (HGMMA, HMMA) of the kernels, compiled again here with -Xptxas -v;
-  3. tests: tests/test_gdn_cuda.py through pytest.main (accuracy against FP64,
+  3. tests: tests/cuda/test_gdn_fwd_cuda.py through pytest.main (accuracy against FP64,
      determinism, CUDA graphs, the six BENCH shapes against FP64);
   4. timing: the six BENCH.md shapes (mamba gate, in-op L2 norm): median of 20
      CUDA-event-timed calls after warm-up, then per-kernel device time from
@@ -37,6 +37,20 @@ sys.path.insert(0, str(ROOT))
 os.chdir(ROOT)
 
 import torch  # noqa: E402
+
+# The files of the folder layout, then those of the flat csrc/ and tests/ of older trees
+# (tools/ab_csrc.py runs this script on trees of either kind).
+KERNEL_SOURCES = (("gdn/fwd_prep.cu", "gdn_fwd_prep.cu"), ("gdn/fwd_walk.cu", "gdn_fwd_walk.cu"),
+                  ("gdn/fwd_chain.cu", "gdn_fwd_chain.cu"))
+GDN_TESTS = ("tests/cuda/test_gdn_fwd_cuda.py", "tests/test_gdn_cuda.py")
+
+
+def _first_present(paths, root=ROOT) -> Path:
+    for path in paths:
+        if (root / path).is_file():
+            return root / path
+    raise FileNotFoundError(f"none of {', '.join(paths)} under {root}")
+
 
 PEAK_TFLOPS = 790.0
 HBM_TBPS = 4.2
@@ -100,10 +114,13 @@ def compile_stats():
         print(f"no nvcc at {nvcc}: skipping ptxas stats")
         return
     with tempfile.TemporaryDirectory() as tmp:
-        for src in ("gdn_fwd_prep.cu", "gdn_fwd_walk.cu", "gdn_fwd_chain.cu"):
-            obj = Path(tmp) / (src + ".o")
+        for names in KERNEL_SOURCES:
+            path = _first_present(names, ROOT / "csrc")
+            src = path.relative_to(ROOT / "csrc").as_posix()
+            obj = Path(tmp) / (src.replace("/", "__") + ".o")
+            # -I the csrc root: the folder layout's includes are relative to it.
             cmd = [str(nvcc), "-c", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v", "-O3",
-                   "-std=c++17", str(ROOT / "csrc" / src), "-o", str(obj)]
+                   "-std=c++17", f"-I{ROOT / 'csrc'}", str(path), "-o", str(obj)]
             r = subprocess.run(cmd, capture_output=True, text=True)
             for line in (r.stdout + r.stderr).splitlines():
                 if any(w in line for w in ("Compiling entry", "registers", "spill", "error", "warning", "C75")):
@@ -116,7 +133,7 @@ def compile_stats():
 def run_tests() -> int:
     import pytest
 
-    args = [str(ROOT / "tests" / "test_gdn_cuda.py"), "-q", "-rA", "-p", "no:cacheprovider"]
+    args = [str(_first_present(GDN_TESTS)), "-q", "-rA", "-p", "no:cacheprovider"]
     if os.environ.get("OUT"):
         args.append(f"--junitxml={Path(os.environ['OUT']) / 'test_gdn_cuda.xml'}")
     class Outcomes:

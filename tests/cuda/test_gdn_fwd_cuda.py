@@ -511,25 +511,27 @@ def test_non_positive_scale_falls_back_to_pytorch(ops):
             assert not o.any()
 
 
-def _refusal_cases():
-    """Calls that cake_ops.dispatch sends away from the CUDA forward, one per condition
-    of its rule: (id, inputs, scale)."""
+REFUSALS = ["fp16_qkv", "head_dim_64", "v_dim_64", "scale_zero", "scale_negative"]
+
+
+def _refusal(name):
+    """A call that cake_ops.dispatch sends away from the CUDA forward, one per condition
+    of its rule: (inputs, scale)."""
     base = make_gdn_inputs([70, 10], 1, 2, 128, 128, device="cuda", seed=12)
-    half = {n: (t.half() if n in ("q", "k", "v") else t) for n, t in base.items()}
-    small = make_gdn_inputs([70, 10], 1, 2, 64, 64, device="cuda", seed=12)
-    wide_v = dict(base, v=torch.randn(80, 2, 64, device="cuda").bfloat16())
-    yield "fp16_qkv", half, 0.1
-    yield "head_dim_64", small, 0.125
-    yield "v_dim_64", wide_v, 0.1
-    yield "scale_zero", base, 0.0
-    yield "scale_negative", base, -0.1
+    if name == "fp16_qkv":
+        return {n: (t.half() if n in ("q", "k", "v") else t) for n, t in base.items()}, 0.1
+    if name == "head_dim_64":
+        return make_gdn_inputs([70, 10], 1, 2, 64, 64, device="cuda", seed=12), 0.125
+    if name == "v_dim_64":
+        return dict(base, v=torch.randn(80, 2, 64, device="cuda").bfloat16()), 0.1
+    return base, {"scale_zero": 0.0, "scale_negative": -0.1}[name]
 
 
-@pytest.mark.parametrize("case", list(_refusal_cases()), ids=[c[0] for c in _refusal_cases()])
-def test_dispatch_rule_and_binding_agree(ops, case):
+@pytest.mark.parametrize("name", REFUSALS)
+def test_dispatch_rule_and_binding_agree(ops, name):
     """Every call the Python rule refuses, the binding refuses too (RuntimeError naming
     what is wrong), so the two cannot drift apart; the op itself then runs PyTorch."""
-    name, inp, scale = case
+    inp, scale = _refusal(name)
     args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
     why = dispatch.gdn_fwd_cuda_refusal(*args, scale)
     assert why is not None and "pytorch_implementation" not in why, why

@@ -1,5 +1,7 @@
-"""Static checks of the CUDA kernel files, on the CPU: each csrc/*.cu is compiled for sm_90a
-with the build's flags by the nvcc the build would use (skipped where there is none), and
+"""Static checks of the CUDA kernel files, on the CPU: each .cu of the csrc tree (every
+folder: csrc/gdn/fwd_walk.cu, csrc/short_conv/fwd.cu, ...) is compiled for sm_90a with the
+build's flags and include root (-I csrc) by the nvcc the build would use (skipped where
+there is none), and
 
 - ptxas reports no register spills and no warnings (a wgmma serialised for want of
   registers, C7512/C7515, shows up as one);
@@ -18,7 +20,7 @@ import pytest
 from cake_ops import build
 
 CSRC = Path(build.__file__).resolve().parents[1] / "csrc"
-KERNEL_FILES = sorted(p.name for p in CSRC.glob("*.cu"))
+KERNEL_FILES = sorted(p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*.cu"))
 
 _STORE_32 = re.compile(r"^\s*st\.global\.[busf]32\s+\[(%rd\d+)(?:\+(\d+))?\]")
 
@@ -63,7 +65,8 @@ def test_split_store_detector():
 @pytest.mark.parametrize("name", KERNEL_FILES)
 def test_kernel_file_compiles_clean(nvcc, name, tmp_path):
     flags = [f for f in build.CUDA_CFLAGS if f != "-lineinfo"]
-    cmd = [nvcc, *flags, "-Xptxas", "-v", "--keep", "--keep-dir", str(tmp_path), "-cubin",
+    includes = [f"-I{p}" for p in build.include_paths(CSRC)]
+    cmd = [nvcc, *flags, *includes, "-Xptxas", "-v", "--keep", "--keep-dir", str(tmp_path), "-cubin",
            "-o", str(tmp_path / "k.cubin"), str(CSRC / name)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     log = res.stdout + res.stderr

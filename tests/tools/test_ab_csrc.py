@@ -1,8 +1,9 @@
 """tools/ab_csrc.py without a GPU: export from a scratch git repository, then `run` with
-the build, the timing script and pytest replaced by a fake that records which csrc/ and
-tests/ were in the checkout at each step."""
+the build, the timing script and pytest replaced by a fake that records what csrc/,
+cake_ops/, meta/ and tests/ held in the checkout at each step."""
 
 import importlib.util
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +11,46 @@ from pathlib import Path
 import pytest
 
 TOOL = Path(__file__).resolve().parents[2] / "tools" / "ab_csrc.py"
+PARTS = ("csrc", "cake_ops", "meta", "tests")
+
+# The files of each revision (each holds the revision's name): a flat csrc/ with the old
+# test file, the same without meta/, and the folder tree with the new one.
+REVISIONS = {
+    "flat": ["csrc/binding.cpp", "csrc/gdn_fwd.cu", "cake_ops/build.py", "meta/__init__.py",
+             "tests/conftest.py", "tests/test_gdn_cuda.py"],
+    "flat_no_meta": ["csrc/binding.cpp", "csrc/gdn_fwd.cu", "cake_ops/build.py", "tests/test_gdn_cuda.py"],
+    "folders": ["csrc/common/dtype.h", "csrc/gdn/binding.cpp", "csrc/gdn/fwd.cu", "cake_ops/build.py",
+                "cake_ops/bench/__init__.py", "meta/__init__.py", "meta/gdn.py", "tests/conftest.py",
+                "tests/cuda/test_gdn_fwd_cuda.py"],
+    "no_gdn_tests": ["csrc/gdn/fwd.cu", "cake_ops/build.py", "meta/__init__.py", "tests/conftest.py"],
+}
+# The checkout's own, uncommitted tree, to be put back after a run.
+CHECKOUT = REVISIONS["folders"] + ["cake_ops/dispatch.py", "tests/op/test_ops.py"]
+
+
+def _write(repo: Path, files, text: str) -> None:
+    for part in PARTS:
+        shutil.rmtree(repo / part, ignore_errors=True)
+    for relative in files:
+        (repo / relative).parent.mkdir(parents=True, exist_ok=True)
+        (repo / relative).write_text(text)
+
+
+def _state(repo: Path) -> dict[str, str]:
+    """Every file of the four swapped folders, by relative path, with its text."""
+    return {
+        p.relative_to(repo).as_posix(): p.read_text()
+        for part in PARTS if (repo / part).is_dir()
+        for p in sorted((repo / part).rglob("*")) if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+def _expected(tree: str) -> dict[str, str]:
+    """The checkout while ``tree`` runs: its files, and the checkout's for a part it lacks."""
+    state = {f: tree for f in REVISIONS[tree]}
+    have = {f.split("/")[0] for f in REVISIONS[tree]}
+    state.update({f: "checkout" for f in CHECKOUT if f.split("/")[0] not in have})
+    return state
 
 
 @pytest.fixture()
@@ -18,8 +59,7 @@ def ab(tmp_path, monkeypatch):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     repo = tmp_path / "repo"
-    (repo / "csrc").mkdir(parents=True)
-    (repo / "tests").mkdir()
+    repo.mkdir()
 
     def git(*args):
         subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
@@ -27,74 +67,115 @@ def ab(tmp_path, monkeypatch):
     git("init", "-q")
     git("config", "user.email", "t@t")
     git("config", "user.name", "t")
-    for rev in ("old", "new"):
-        (repo / "csrc" / "k.cu").write_text(rev)
-        (repo / "tests" / "test_k.py").write_text(rev)
+    for rev, files in REVISIONS.items():
+        _write(repo, files, rev)
         git("add", "-A")
         git("commit", "-q", "-m", rev)
         git("tag", rev)
-    # The checkout's own (uncommitted) sources, to be put back after a run.
-    (repo / "csrc" / "k.cu").write_text("checkout")
-    (repo / "tests" / "test_k.py").write_text("checkout")
+    _write(repo, CHECKOUT, "checkout")
     monkeypatch.setattr(module, "ROOT", repo)
     monkeypatch.setattr(module, "AB", repo / ".ab")
     monkeypatch.delenv("OUT", raising=False)
     return module, repo
 
 
-def test_export_takes_csrc_and_tests_of_each_revision(ab):
-    module, repo = ab
-    module.export(["old", "new"])
-    for rev in ("old", "new"):
-        assert (repo / ".ab" / rev / "csrc" / "k.cu").read_text() == rev
-        assert (repo / ".ab" / rev / "tests" / "test_k.py").read_text() == rev
-    assert [line.split()[0] for line in (repo / ".ab" / "order").read_text().split("\n") if line] == ["old", "new"]
+def test_the_swap_set_is_the_sources_the_build_the_fakes_and_the_tests(ab):
+    module, _ = ab
+    assert module.SWAPPED == PARTS
 
 
-def test_run_swaps_each_trees_csrc_and_tests_in_and_puts_the_checkouts_back(ab, monkeypatch, capsys):
+def test_export_takes_the_four_parts_of_each_revision(ab):
     module, repo = ab
-    module.export(["old", "new"])
-    seen = []  # (step, csrc/k.cu, tests/test_k.py) in the checkout when each step ran
-    prep_ms = {"old": "0.400", "new": "0.300"}
+    module.export(list(REVISIONS))
+    for rev, files in REVISIONS.items():
+        exported = repo / ".ab" / rev
+        assert _state(exported) == {f: rev for f in files}, rev  # a part the revision lacks is left out
+    assert [line.split()[0] for line in (repo / ".ab" / "order").read_text().split("\n") if line] == list(REVISIONS)
+    assert _state(repo) == {f: "checkout" for f in CHECKOUT}
+
+
+def _fake(repo, seen, prep_ms, fail_build=()):
+    """subprocess.run for the build, the timer and pytest: records the step, the tree
+    the checkout held (every file of the four parts) and pytest's test file."""
 
     def fake_run(cmd, cwd=None, capture_output=False, text=False, timeout=None, **kwargs):
         step = "build" if "cake_ops.build" in cmd else "time" if any("gdn_fwd_gpu_check" in c for c in cmd) else "pytest"
-        tree = (repo / "csrc" / "k.cu").read_text()
-        seen.append((step, tree, (repo / "tests" / "test_k.py").read_text()))
+        tree = (repo / "cake_ops" / "build.py").read_text()
+        test_file = None
+        if step == "pytest":
+            test_file = next(c for c in cmd if c.endswith(".py"))
+            assert (repo / test_file).read_text() == tree  # the tree's own test file, present
+        seen.append((step, tree, _state(repo), test_file))
+        if step == "build" and tree in fail_build:
+            return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="nvcc: error")
         out = {"build": "built", "pytest": "1 passed"}.get(step, "")
         if step == "time":
             out = f"s64k_h16   det      kernels   0.9 ms/call  busy 0.9  [F1 prep {prep_ms[tree]}  F4 walk 0.600]"
         return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
 
-    monkeypatch.setattr(module.subprocess, "run", fake_run)
-    assert module.run("s64k_h16", tests=True, trees=None, rounds=2) == 0
-    # Palindromic order, each tree's own tests beside its kernels, tested on the first visit only.
-    assert [(s, c) for s, c, _ in seen if s != "build"] == [
-        ("time", "old"), ("pytest", "old"), ("time", "new"), ("pytest", "new"), ("time", "new"), ("time", "old"),
+    return fake_run
+
+
+def test_run_swaps_each_trees_four_parts_in_and_puts_the_checkouts_back(ab, monkeypatch, capsys):
+    module, repo = ab
+    module.export(["flat", "flat_no_meta", "folders"])
+    seen = []
+    prep_ms = {"flat": "0.400", "flat_no_meta": "0.350", "folders": "0.300"}
+    monkeypatch.setattr(module.subprocess, "run", _fake(repo, seen, prep_ms))
+    assert module.run("s64k_h16", tests=True, trees="flat,folders,flat_no_meta", rounds=2) == 0
+    # Palindromic order (in export order), each tree tested on its first visit only.
+    assert [(step, tree) for step, tree, _, _ in seen if step != "build"] == [
+        ("time", "flat"), ("pytest", "flat"), ("time", "flat_no_meta"), ("pytest", "flat_no_meta"),
+        ("time", "folders"), ("pytest", "folders"),
+        ("time", "folders"), ("time", "flat_no_meta"), ("time", "flat"),
     ]
-    assert all(csrc == tests for _, csrc, tests in seen)
-    assert (repo / "csrc" / "k.cu").read_text() == "checkout"
-    assert (repo / "tests" / "test_k.py").read_text() == "checkout"
+    # At every step the checkout held exactly the tree's csrc/, cake_ops/, meta/ and tests/
+    # (nothing of the checkout's or another tree's), the checkout's meta/ where it has none.
+    for step, tree, state, _ in seen:
+        assert state == _expected(tree), (step, tree)
+    # The GDN-forward tests of the tree's own layout.
+    assert {tree: test for step, tree, _, test in seen if step == "pytest"} == {
+        "flat": "tests/test_gdn_cuda.py", "flat_no_meta": "tests/test_gdn_cuda.py",
+        "folders": "tests/cuda/test_gdn_fwd_cuda.py",
+    }
+    assert _state(repo) == {f: "checkout" for f in CHECKOUT}
     assert not (repo / ".ab" / "_checkout").exists()
-    table = capsys.readouterr().out.split("===== kernel ms per call")[1]
-    assert "s64k_h16   det old" in table and "[prep 0.400  walk 0.600]  rounds 1.000 1.000" in table
-    assert "s64k_h16   det new" in table and "[prep 0.300  walk 0.600]  rounds 0.900 0.900" in table
+    out = capsys.readouterr().out
+    assert "tests tests/cuda/test_gdn_fwd_cuda.py: 1 passed" in out
+    table = out.split("===== kernel ms per call")[1]
+    assert "s64k_h16   det flat " in table and "[prep 0.400  walk 0.600]  rounds 1.000 1.000" in table
+    assert "s64k_h16   det folders " in table and "[prep 0.300  walk 0.600]  rounds 0.900 0.900" in table
+
+
+def test_a_tree_without_gdn_tests_fails_and_the_checkout_comes_back(ab, monkeypatch, capsys):
+    module, repo = ab
+    module.export(["no_gdn_tests", "folders"])
+    seen = []
+    monkeypatch.setattr(module.subprocess, "run", _fake(repo, seen, {"no_gdn_tests": "0.5", "folders": "0.3"},
+                                                        fail_build=("folders",)))
+    assert module.run("s64k_h16", tests=True, trees=None) == 1
+    assert [(step, tree) for step, tree, _, _ in seen] == [
+        ("build", "no_gdn_tests"), ("time", "no_gdn_tests"), ("build", "folders"),
+    ]
+    out = capsys.readouterr().out
+    assert "FAILED: no_gdn_tests: tests, folders: build" in out
+    assert _state(repo) == {f: "checkout" for f in CHECKOUT}
 
 
 def test_run_puts_the_checkout_back_when_a_step_raises(ab, monkeypatch):
     module, repo = ab
-    module.export(["old"])
+    module.export(["flat"])
 
     def broken_run(cmd, **kwargs):
         if "cake_ops.build" in cmd:
+            assert _state(repo) == _expected("flat")
             return subprocess.CompletedProcess(cmd, 0, stdout="built", stderr="")
         raise subprocess.TimeoutExpired(cmd, 300)
 
     monkeypatch.setattr(module.subprocess, "run", broken_run)
     with pytest.raises(subprocess.TimeoutExpired):
         module.run("s64k_h16", tests=False, trees=None)
-    assert (repo / "csrc" / "k.cu").read_text() == "checkout"
-    assert (repo / "tests" / "test_k.py").read_text() == "checkout"
+    assert _state(repo) == {f: "checkout" for f in CHECKOUT}
 
 
 if __name__ == "__main__":

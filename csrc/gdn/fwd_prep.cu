@@ -1,44 +1,22 @@
-// Forward prep of the chunked gated delta rule (see gdn_fwd.h): per (chunk slot, q/k
-// head) K K^T (of the L2-normalised keys when asked: the raw product scaled by the row
-// norms in fp32) and the log2 inverse norms of the q and k rows for the walk, and per
-// value head gcum, the chunk's certified log decay (chunk_decay) and the WY inverse
-// A diag(beta). No normalised copy of q or k goes through HBM: the walk loads them raw
-// and applies the norms in fp32 (gdn_fwd_walk.cu).
+// Forward prep of the chunked gated delta rule (gdn.h; docs/kernels.md, "Forward
+// stages"): per (chunk slot, q/k head) K K^T (of the L2-normalised keys when asked: the
+// raw product scaled by the row norms in fp32) and the log2 inverse norms of the q and k
+// rows for the walk, and per value head gcum (of g floored at kGdnGateFloor), the chunk's
+// certified log decay (chunk_decay) and the WY inverse A diag(beta). No normalised copy of
+// q or k goes through HBM: the walk loads them raw and applies the norms in fp32
+// (fwd_walk_loads.cuh).
 //
-// NOTES:
+// Why it is as it is:
 // - Bytes: per (slot, q/k head) the CTA reads k (16 KB), with use_qk_l2norm q (16 KB, for
 //   its norms only: straight into registers) and writes one 8 KB tile of A diag(beta) per
-//   value head and 512 bytes of norms. Measured at s64k_h16 (ms, prep / walk): writing
-//   normalised bf16 copies of q and k for the walk 0.433 / 0.625; the norms from here
-//   0.397 / 0.642; the walk's aux forming the norms itself (no q read here) 0.340 / 0.763
-//   (the aux's chunk work lies on the path from a chunk's landing to the state
-//   warpgroups). An earlier form of these norms (d521d1f: factors per value head in the
-//   gates workspace, the walk on per-thread cp.async) was 1 % slower net and reverted;
-//   this one (per q/k head, one 512-byte TMA copy beside gcum) measured 0.8-2.5 % faster
-//   net, side by side with the same walk otherwise (tools/ab_csrc.py). k is requested up
-//   front with cp.async (no registers held while it flies), q and the gates are loaded
-//   under it; K K^T is parked in shared memory between value heads; <= 80 registers (raw
-//   keys: 96) and 29 KB of shared memory give 6 CTAs (raw keys: 5) per SM, so other
-//   CTAs' loads stay in flight while one CTA inverts. Warming L2 with
-//   the rows of the CTA that starts when this one ends (bulk prefetch, branch
-//   try/prep-prefetch) made the prep 7-11 % slower: its time is not the loads' latency
-//   (ncu at s64k_h16: DRAM 33 % busy, issue 61 %, 17 % of stall samples at the inverse's
-//   round barriers). Nor is it the chunk lookup: a shared-memory sample of the chunk
-//   offsets in place of find_chunk's chain of dependent loads (try/prep-find-smem) made
-//   it 1.5 % slower. The row norms by a transposing butterfly (row_norms: 8 shuffles and
-//   one log and rsqrt a lane, where a reduction per row took 32 and eight) made the
-//   prep 7-8 % faster (s64k_h16 0.394 -> 0.361 ms, s256k_h2 0.250 -> 0.233).
-//   ncu at s64k_h16 after the unit-key TF32 merges (below): 0.397 ms under ncu, issue
-//   slots 63 % busy, ALU pipe 45 % (the busiest), L1/TEX 76 %, DRAM 43 %, 4.8 of 5 warps
-//   a scheduler active, 1.3 eligible; the gates' strided scalar loads (load_gates: one
-//   value head's g and beta per warp, HV * 4 bytes apart) are 14 % of the L2 sectors
-//   requested beyond the bytes used. Six CTAs per SM first came with spills (80
-//   registers, 4-20 bytes in the gate-group path; try/prep-six-ctas, 2-3 % faster). L in
-//   log2 units (gl = gcum log2(e) staged once per head, not a multiply an element) and
-//   the strictly-lower mask in the diagonal block's form_l only (form_l<kDiag>) made room
-//   for them: unit-key prep at 6 CTAs with no spills (try/prep-form-l-six, merged), prep
-//   ms in one tools/ab_csrc.py call with --rounds 2: s64k_h16 0.312 -> 0.302, s256k_h2
-//   0.197 -> 0.189, s32k_h16 0.198 -> 0.194 (forward 1 % faster).
+//   value head and 512 bytes of norms. The norms are formed here, once per q/k head, not
+//   in the walk (whose aux work lies on the path from a chunk's landing to the state
+//   warpgroups) and not as normalised bf16 copies (more bytes). k is requested up front
+//   with cp.async (no registers held while it flies), q and the gates are loaded under
+//   it; K K^T is parked in shared memory between value heads; <= 80 registers (raw keys:
+//   96) and 29 KB of shared memory give 6 CTAs (raw keys: 5) per SM, so other CTAs' loads
+//   stay in flight while one CTA inverts. The prep's time is issue and the inverse's
+//   round barriers, not load latency or the chunk lookup (docs/experiments.md).
 // - K K^T (64x64x128, bf16 tensor cores) is formed once per q/k head and reused by the
 //   G value heads; only the gating, beta and the inverse are per value head.
 // - The inverse A = (I + L)^-1 is blocked 16x16, warp w owning block row w (the rows of
@@ -59,31 +37,29 @@
 //   lane; only diagonal blocks are read back transposed (row stride 20 words: conflict-free
 //   both ways). Output rows go through stmatrix (.trans for the transposed blocks) into
 //   padded staging rows, then out as 16-byte stores, four whole rows per instruction.
-// - Precision: the diagonal solves are fp32 FMA. The merges are 3xTF32 for raw keys
-//   (x = xb + xs, xy = xb yb + xb ys + xs yb, fp32 accumulate) and one TF32 product of
-//   operands rounded to nearest for unit keys (use_qk_l2norm). On CPU-emulated cases (this
-//   algorithm, lane for lane, against fp64) the worst error of A diag(beta), relative to
-//   its row's largest entry, was ~1e-7 for unit keys and ~1e-6 for un-normalised keys
-//   (|k|^2 ~ 8, no decay) with 3xTF32; plain tf32 with truncated operands gave 2e-4 and
-//   6e-3, the latter above bf16's 2^-8, the former 10x under the rounding of A to the
-//   bf16 that the walk consumes (2^-9). After that rounding (tools/prep_merge_precision.py,
-//   20 random chunks against fp64, rel-RMS): unit keys 1.76e-3 with fp32 or rounded-TF32
-//   merges alike; raw keys without decay 1.81e-3 (fp32) and 2.41e-3 (TF32). The split
-//   costs 4 integer/fp32 ops an element and three products where one does. A keeps the
-//   fp32 range (un-normalised keys can make it large) and is rounded once, to bf16, after
-//   folding in beta. The single product made the prep 13-16 % faster (ms, one
-//   tools/ab_csrc.py call with --rounds 2: s64k_h16 0.359 -> 0.311, s256k_h2 0.233 ->
-//   0.196, s32k_h16 0.231 -> 0.197).
+// - Precision (docs/contract.md, "Accuracy"): the diagonal solves are fp32 FMA. The merges
+//   are 3xTF32 for raw keys (x = xb + xs, xy = xb yb + xb ys + xs yb, fp32 accumulate):
+//   plain TF32 of un-normalised keys errs above bf16's 2^-8; for unit keys
+//   (use_qk_l2norm) one TF32 product of operands rounded to nearest, whose error is far
+//   under the rounding of A to the bf16 that the walk consumes. A keeps the fp32 range
+//   (un-normalised keys can make it large) and is rounded once, to bf16, after folding in
+//   beta.
+// - L in log2 units (gl = gcum log2(e) staged once per head, not a multiply an element)
+//   and the strictly-lower mask in the diagonal block's form_l only: the registers that
+//   let unit keys run 6 CTAs an SM without spills.
 // - Exponents are differences of chunk-local cumsums, clamped to <= 0, so strong decay
-//   (gcum down to -1280 in a chunk) underflows to 0, never to 0 * inf.
+//   (gcum down to 64 kGdnGateFloor in a chunk) underflows to 0, never to 0 * inf; the
+//   floor keeps a reset (g = -inf) from making them -inf - (-inf).
 // - Deterministic, bitwise run to run: fixed-order scans and sums, no atomics.
 
 #include <cuda_bf16.h>
 
-#include "gdn_chunks.cuh"
-#include "gdn_fwd.h"
-#include "mma_sm80.cuh"
-#include "swizzle.cuh"
+#include "common/mma_sm80.cuh"
+#include "common/scan.cuh"
+#include "common/swizzle.cuh"
+#include "gdn/chunks.cuh"
+#include "gdn/gdn.h"
+#include "gdn/plan.h"
 
 namespace cake {
 namespace {
@@ -93,13 +69,12 @@ constexpr int kPrepThreads = 128;  // 4 warps; warp w owns rows 16w .. 16w+15 of
 // 3xTF32 merges spill at 80; ~29 KB of shared memory a CTA.
 constexpr int prep_ctas_per_sm(bool unit_keys) { return unit_keys ? 6 : 5; }
 constexpr int kGateHeads = 4;      // value heads whose gates are staged at once: one scan per warp
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory of the prep CTA (bytes). The k tile (bf16 64x128, swizzled) lives until
 // K K^T is formed; K K^T has its own space (warps park theirs while others still read k);
 // then the k tile's space holds the tiles exchanged by the inverse and each warp's output
 // staging.
-constexpr int kTileBytes = 64 * kGdnHeadDim * 2;
+constexpr int kTileBytes = kGdnChunk * kGdnHeadDim * 2;
 constexpr int kKTile = 0;
 constexpr int kFragBytes = 32 * 8 * 4;                 // one 16x16 fp32 tile, lane for lane
 constexpr int kKK = kTileBytes;                        // K K^T, block lower triangle: 10 tiles
@@ -120,10 +95,6 @@ using Tile = float[2][4];
 
 // ---------------------------------------------------------------------------------
 // Small PTX helpers not in mma_sm80.cuh.
-
-// The CTA barrier, reached by the warps from different code (each warp runs its own
-// block row's instantiation), so the non-.aligned form.
-__device__ __forceinline__ void cta_barrier() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 
 
 // This thread's lane, read anew at each use: the per-lane addresses and constants derived
@@ -155,7 +126,7 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& big, uint32_t& sma
 // kt the A fragment's k slot t4 is column 8 kt + 2 t4 of x and slot t4 + 4 column
 // 8 kt + 2 t4 + 1: x's accumulator registers as they are, and then the B fragment (k
 // slots t4, t4 + 4 at n = gid) is exactly y^T's. 3xTF32 for raw keys, one rounded TF32
-// product for unit keys (see NOTES).
+// product for unit keys (see the file comment).
 template <bool kUnitKeys>
 __device__ __forceinline__ void mma_tile(Tile& d, const Tile& x, const Tile& yt) {
 #pragma unroll
@@ -286,7 +257,7 @@ __device__ __forceinline__ void store_rows(const unsigned char* stage, __nv_bflo
     const int row = 4 * it + (lane >> 3), chunk = lane & 7;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (chunk < 2 * W + 2) v = *reinterpret_cast<const uint4*>(stage + row * kStageLd + chunk * 16);
-    *reinterpret_cast<uint4*>(a_out + (16 * W + row) * 64 + chunk * 8) = v;
+    *reinterpret_cast<uint4*>(a_out + (16 * W + row) * kGdnChunk + chunk * 8) = v;
   }
   __syncwarp();  // the staging is rewritten by the next value head
 }
@@ -323,10 +294,10 @@ __device__ __forceinline__ void form_l(const float4* s_kk, const float* gl, cons
   }
 }
 
-// One value head, block row W = this warp of the chunk; see NOTES. gl, beta: this head's
+// One value head, block row W = this warp of the chunk; see the file comment. gl, beta: this head's
 // 64 gcum log2(e) and beta values (shared memory). W is a runtime value and the rounds a loop, so
-// that the four warps run one copy of the code: with a copy per block row (6600 SASS
-// instructions in all) 14 % of the prep's stall samples were instruction-cache misses.
+// that the four warps run one copy of the code: a copy per block row stalls on
+// instruction-cache misses (docs/experiments.md).
 template <bool kUnitKeys>
 __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const float* gl, const float* beta,
                                                  __nv_bfloat16* a_out, int W) {
@@ -349,7 +320,7 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
 #pragma unroll 1
   for (int round = 1; round <= 3; ++round) {
     if (round == W + 1) store_rows(stage_ptr, a_out, W, lane);  // row W is complete
-    cta_barrier();
+    mma::cta_barrier();  // the warps reach it from different code: the non-.aligned form
 #pragma unroll
     for (int J = 2; J >= 0; --J) {
       const int K = J + round - 1;
@@ -392,7 +363,7 @@ __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, u
     const int r = it * 8 + (tid >> 4);
     const bool real = r < pos.len;
     const __nv_bfloat16* src = x + ((pos.t0 + (real ? r : 0)) * H + h) * kGdnHeadDim + c * 8;
-    mma::cp_async_16(mma::smem_addr(tile + swizzle_offset<16>(r, c)), src, real);
+    mma::cp_async_16(mma::smem_addr(tile + swizzle_rows_offset<16>(r, c)), src, real);
   }
 }
 
@@ -408,7 +379,7 @@ __device__ __forceinline__ void rows_from_smem(const unsigned char* tile, RowChu
   const int tid = threadIdx.x, c = tid & 15;
 #pragma unroll
   for (int it = 0; it < 8; ++it)
-    raw[it] = *reinterpret_cast<const uint4*>(tile + swizzle_offset<16>(it * 8 + (tid >> 4), c));
+    raw[it] = *reinterpret_cast<const uint4*>(tile + swizzle_rows_offset<16>(it * 8 + (tid >> 4), c));
 }
 
 // Straight from global memory (pad rows: zeros): q is read only for its norms.
@@ -465,12 +436,12 @@ __device__ __forceinline__ void row_norms(const RowChunks& raw, float* lrn, floa
 }
 
 // gcum and beta of value heads hv0 .. hv0 + n - 1 (n <= kGateHeads), warp w taking head
-// hv0 + w: the chunk-local inclusive cumsum of g (pads have g = 0, so they repeat the last
-// value) to p.gcum, and in log2 units (gl = gcum log2(e), what the exponentials of L take)
+// hv0 + w: the chunk-local inclusive cumsum of g floored at kGdnGateFloor (pads have
+// g = 0, so they repeat the last value) to p.gcum, and in log2 units (gl = gcum log2(e), what the exponentials of L take)
 // to shared memory with its last value as it is (the chunk's decay); beta (0 on pads) to
 // shared memory.
 __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& pos, int64_t slot, int64_t hv0,
-                                           int n, float (*s_gl)[64], float* s_gc_last, float (*s_beta)[64]) {
+                                           int n, float (*s_gl)[kGdnChunk], float* s_gc_last, float (*s_beta)[kGdnChunk]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   if (warp >= n) return;
   const int64_t hv = hv0 + warp;
@@ -479,29 +450,23 @@ __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& 
   for (int s = 0; s < 2; ++s) {
     const int i = 32 * s + lane;
     const int64_t idx = (pos.t0 + i) * p.HV + hv;
-    x[s] = i < pos.len ? p.g[idx] : 0.f;
+    const float gi = i < pos.len ? p.g[idx] : 0.f;
+    x[s] = gi < kGdnGateFloor ? kGdnGateFloor : gi;  // the floor (gdn.h); not fmaxf, which would drop NaN
     b[s] = i < pos.len ? load_beta(p.beta, p.beta_dtype, idx) : 0.f;
   }
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const float y = __shfl_up_sync(0xffffffffu, x[s], o);
-      if (lane >= o) x[s] += y;
-    }
-  }
+  warp_inclusive_scan(x);  // the two halves' scans side by side
   x[1] += __shfl_sync(0xffffffffu, x[0], 31);
-  float* gcum = p.gcum + (slot * p.HV + hv) * 64;
+  float* gcum = p.gcum + (slot * p.HV + hv) * kGdnChunk;
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
-    s_gl[warp][32 * s + lane] = x[s] * kLog2e;
+    s_gl[warp][32 * s + lane] = x[s] * mma::kLog2e;
     s_beta[warp][32 * s + lane] = b[s];
     gcum[32 * s + lane] = x[s];
   }
   if (lane == 31) s_gc_last[warp] = x[1];
 }
 
-// chunk_decay (see gdn_fwd.h) of one value head, by one warp: the chunk's log decay if
+// chunk_decay (see gdn.h) of one value head, by one warp: the chunk's log decay if
 // every token's update I - beta k k^T is a contraction (0 <= beta |k|^2 <= 2; pads have
 // beta = 0), else +inf, so that a window holding such a chunk is never truncated. NaN
 // fails both tests and gives NaN or +inf: never truncated either.
@@ -522,11 +487,11 @@ __device__ __forceinline__ void write_chunk_decay(float* out, const float* gc_la
 template <bool kUnitKeys>
 __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
-  __shared__ float s_gl[kGateHeads][64];  // gcum log2(e)
+  __shared__ float s_gl[kGateHeads][kGdnChunk];  // gcum log2(e)
   __shared__ float s_gc_last[kGateHeads];  // gcum's last value
-  __shared__ float s_beta[kGateHeads][64];
-  __shared__ float s_knorm2[64];  // |k_i|^2, the diagonal of K K^T
-  __shared__ float s_rk[64];      // 1 / |k_i| (with use_qk_l2norm)
+  __shared__ float s_beta[kGateHeads][kGdnChunk];
+  __shared__ float s_knorm2[kGdnChunk];  // |k_i|^2, the diagonal of K K^T
+  __shared__ float s_rk[kGdnChunk];      // 1 / |k_i| (with use_qk_l2norm)
 
   const int H = static_cast<int>(p.H);  // head counts and the grid fit 32 bits: cheap division
   const int64_t slot = blockIdx.x / H;
@@ -550,13 +515,13 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn
 
   // 2. The rows' norms, when normalised: q's and k's for the walk; k's also for K K^T
   //    (kn_i . kn_j = rk_i rk_j (k_i . k_j)).
-  float* lrn = kUnitKeys ? p.qk_lrn + (slot * p.H + h) * 128 : nullptr;
+  float* lrn = kUnitKeys ? p.qk_lrn + (slot * p.H + h) * 2 * kGdnChunk : nullptr;
   if constexpr (kUnitKeys) row_norms(raw, lrn, nullptr);
   mma::cp_async_wait_all();
   __syncthreads();
   if constexpr (kUnitKeys) {
     rows_from_smem(smem + kKTile, raw);
-    row_norms(raw, lrn + 64, s_rk);
+    row_norms(raw, lrn + kGdnChunk, s_rk);
     __syncthreads();
   }
 
@@ -570,12 +535,12 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       uint32_t a[4];
-      mma::ldmatrix_x4(a, k_base + swizzle_offset<16>(16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)));
+      mma::ldmatrix_x4(a, k_base + swizzle_rows_offset<16>(16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)));
 #pragma unroll
       for (int jp = 0; jp < 4; ++jp) {
         if (jp <= warp) {
           uint32_t b[4];
-          mma::ldmatrix_x4(b, k_base + swizzle_offset<16>(16 * jp + (mi >> 1) * 8 + r8, 2 * ks + (mi & 1)));
+          mma::ldmatrix_x4(b, k_base + swizzle_rows_offset<16>(16 * jp + (mi >> 1) * 8 + r8, 2 * ks + (mi & 1)));
           mma::mma_bf16(kk[2 * jp], a, b[0], b[1]);
           mma::mma_bf16(kk[2 * jp + 1], a, b[2], b[3]);
         }
@@ -612,7 +577,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn
   const InverseSmem s{reinterpret_cast<const float4*>(smem + kKK), reinterpret_cast<float*>(smem + kDiag),
                       reinterpret_cast<float4*>(smem + kOff), smem + kStage};
   __nv_bfloat16* a_first =
-      static_cast<__nv_bfloat16*>(p.a) + (slot * p.HV + static_cast<int64_t>(h) * G) * 64 * 64;
+      static_cast<__nv_bfloat16*>(p.a) + (slot * p.HV + static_cast<int64_t>(h) * G) * kGdnChunk * kGdnChunk;
   for (int g0 = 0; g0 < G; g0 += kGateHeads) {
     const int n = G - g0 < kGateHeads ? G - g0 : kGateHeads;
     if (g0 > 0) {
@@ -625,7 +590,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn
     if (warp < n) write_chunk_decay(p.chunk_decay + slot * p.HV + static_cast<int64_t>(h) * G + g0 + warp,
                                     s_gc_last + warp, s_beta[warp], s_knorm2);
     for (int j = 0; j < n; ++j) {
-      __nv_bfloat16* a_out = a_first + (g0 + j) * 64 * 64;
+      __nv_bfloat16* a_out = a_first + (g0 + j) * kGdnChunk * kGdnChunk;
       invert_block_row<kUnitKeys>(s, s_gl[j], s_beta[j], a_out, warp);
     }
   }

@@ -1,25 +1,17 @@
 #pragma once
 
-// Packed variable-length documents cut into 64-token chunks (and the walk into
-// segments of chunks), on the device (the CUDA side of cake_ops/varlen.py). Document n
-// has ceil(len_n / 64) chunks; they occupy chunk slots chunk_offsets[n] ..
-// chunk_offsets[n+1] - 1 of a static grid of ceil(T / 64) + N slots (an upper bound: no
-// host sync, CUDA-graph safe). Slots at or past chunk_offsets[N] are unused.
+// Packed documents cut into chunks of kGdnChunk tokens (and the walk into segments of
+// chunks), on the device. Document n has ceil(len_n / 64) chunks; they occupy chunk slots
+// chunk_offsets[n] .. chunk_offsets[n+1] - 1 of a static grid of ceil(T / 64) + N slots (an
+// upper bound: no host sync, CUDA-graph safe). Slots at or past chunk_offsets[N] are
+// unused. (docs/kernels.md, "Plan and cut grid".)
 
 #include <cstdint>
 
+#include "common/varlen.cuh"
+#include "gdn/gdn.h"
+
 namespace cake {
-
-constexpr int kGdnChunk = 64;
-
-struct CuSeqlens {
-  const void* ptr;
-  bool int64;
-
-  __device__ __forceinline__ int64_t operator[](int64_t n) const {
-    return int64 ? static_cast<const int64_t*>(ptr)[n] : static_cast<const int32_t*>(ptr)[n];
-  }
-};
 
 // Where a chunk sits: its document, first token and number of real tokens (1..64).
 struct ChunkPos {
@@ -27,18 +19,6 @@ struct ChunkPos {
   int64_t t0;
   int len;
 };
-
-// The document n with offsets[n] <= slot < offsets[n + 1], for slot < offsets[N] (so
-// documents with no slots are skipped): binary search.
-__device__ __forceinline__ int64_t find_document(const int32_t* offsets, int64_t N, int64_t slot) {
-  int64_t lo = 0, hi = N;  // offsets[lo] <= slot < offsets[hi]
-  while (hi - lo > 1) {
-    const int64_t mid = (lo + hi) / 2;
-    if (offsets[mid] <= slot) lo = mid;
-    else hi = mid;
-  }
-  return lo;
-}
 
 // The chunk in `slot` (< chunk_offsets[N]).
 __device__ __forceinline__ ChunkPos find_chunk(const int32_t* chunk_offsets, CuSeqlens cu, int64_t N,
@@ -52,14 +32,14 @@ __device__ __forceinline__ ChunkPos find_chunk(const int32_t* chunk_offsets, CuS
 
 // The cut grid of a document of `chunks` chunks: every seg_chunks chunks from its start
 // (0: uncut), or every seg_chunks / 2 for a long document, of 4 seg_chunks .. long_max
-// chunks (long_max = 0: none; the deterministic plan's choice, gdn_fwd.h). A function of
+// chunks (long_max = 0: none; the deterministic plan's choice, plan.h). A function of
 // the document's own length, so its bits do not depend on its neighbours.
 __host__ __device__ inline int doc_cut_chunks(int chunks, int seg_chunks, int long_max) {
   return seg_chunks > 1 && chunks >= 4 * seg_chunks && chunks <= long_max ? seg_chunks / 2 : seg_chunks;
 }
 
 // A segment of a document's walk: chunks c0 .. c0 + nch - 1 of document doc, its index
-// seg of nseg (seg_offsets: see gdn_fwd.h; seg_chunks = 0 means one segment a document).
+// seg of nseg (seg_offsets: see gdn.h; seg_chunks = 0 means one segment a document).
 struct SegmentPos {
   int64_t doc;
   int seg, nseg;

@@ -1,7 +1,8 @@
 // The GDN forward: plan, prep, then (when the walk is cut into segments) the segment
-// summaries and their chain, then the walk (see gdn_fwd.h).
+// summaries and their chain, then the walk (gdn.h; docs/kernels.md, "Forward stages").
+// Each stage returns at once when it has nothing to do for the call's plan.
 
-#include "gdn_fwd.h"
+#include "gdn/gdn.h"
 
 namespace cake {
 

@@ -4,7 +4,7 @@
 
 #include <cuda_runtime.h>
 
-#include "dtype.h"
+#include "common/dtype.h"
 
 namespace cake {
 

@@ -18,19 +18,16 @@
 //     k16 step s of block s / 4 starts 32 (s % 4) bytes into it;
 //   MN-major operand (rows = K, columns = M or N): leading offset = one column block
 //     (N beyond 64), stride 1024 (8 rows of K), the k16 step s starts 16 rows down.
-// ldmatrix / stmatrix reach the same tiles through sw128_offset, conflict-free.
+// ldmatrix / stmatrix reach the same tiles through sw128_offset (swizzle.cuh), conflict-free.
 
 #include <cstdint>
 
 #include <cuda_bf16.h>
 
-namespace cake::wgmma {
+#include "common/mma_sm80.cuh"
+#include "common/swizzle.cuh"
 
-// Byte offset of 16-byte chunk `chunk` (0 .. 8 * blocks - 1) of row `row` in an SW128
-// tile of `rows` rows.
-__device__ __forceinline__ int sw128_offset(int rows, int row, int chunk) {
-  return (chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
-}
+namespace cake::wgmma {
 
 // Matrix descriptor: start address, leading and stride byte offsets, 128-byte swizzle.
 __device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
@@ -56,19 +53,14 @@ __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows, int s
   return desc_sw128(tile, rows * 128, 1024) + static_cast<uint32_t>((s * 16 * 128) >> 4);
 }
 
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // Accumulator columns 16 j .. 16 j + 15 (registers d[8j .. 8j + 7]) as the bf16 A fragment
 // of k-step j.
 template <int N>
 __device__ __forceinline__ void to_a_frag(uint32_t (&a)[4], const float (&d)[N], int j) {
-  a[0] = pack_bf16(d[8 * j + 0], d[8 * j + 1]);
-  a[1] = pack_bf16(d[8 * j + 2], d[8 * j + 3]);
-  a[2] = pack_bf16(d[8 * j + 4], d[8 * j + 5]);
-  a[3] = pack_bf16(d[8 * j + 6], d[8 * j + 7]);
+  a[0] = mma::pack_bf16(d[8 * j + 0], d[8 * j + 1]);
+  a[1] = mma::pack_bf16(d[8 * j + 2], d[8 * j + 3]);
+  a[2] = mma::pack_bf16(d[8 * j + 4], d[8 * j + 5]);
+  a[3] = mma::pack_bf16(d[8 * j + 6], d[8 * j + 7]);
 }
 
 // Orders register writes before the wgmma that reads them (accumulators, A fragments).

@@ -1,6 +1,6 @@
-// Forward of the short causal convolution (see short_conv.h for the math).
+// Forward of the short causal convolution (see short_conv/short_conv.h for the math).
 //
-// NOTES: the op is memory bound (about 2 * T * D elements moved for W * T * D
+// Why it is as it is: the op is memory bound (about 2 * T * D elements moved for W * T * D
 // FMAs), so the layout serves the loads: one thread owns VEC consecutive channels
 // (one 16-byte load per token) over a run of kTokensPerThread consecutive tokens,
 // and slides the W-1 previous inputs through registers. Each input row is read
@@ -11,7 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
-#include "short_conv.h"
+#include "short_conv/short_conv.h"
 
 namespace cake {
 namespace {
@@ -96,7 +96,9 @@ __global__ void __launch_bounds__(kThreads) short_conv_fwd_kernel(const ShortCon
   }
 
   // Document n of t_begin: the last n with cu[n] <= t_begin, so empty documents
-  // ending at t_begin are skipped. Invariant: cu[lo] <= t_begin < cu[hi].
+  // ending at t_begin are skipped. Invariant: cu[lo] <= t_begin < cu[hi]. (The search of
+  // common/varlen.cuh's find_document, written out: through CuSeqlens this kernel's
+  // code and registers change, unmeasured, so it keeps its own.)
   int64_t lo = 0, hi = p.N;
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;

@@ -2,15 +2,16 @@
 
 // Warp-level tensor-core and shared-memory building blocks (sm_80+ PTX, used on sm_90a):
 // mma.sync m16n8k16 bf16 -> fp32 and m16n8k8 tf32 -> fp32, ldmatrix / stmatrix, cp.async
-// with zero fill, and the MUFU exponential.
+// with zero fill, bf16 packing, named barriers and the MUFU exponential.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * gid + tid4):
 //   A 16x16 (row): a0 (gid,    2*tid4 .. +1)   a1 (gid + 8, 2*tid4 .. +1)
 //                  a2 (gid,    2*tid4 + 8 ..)  a3 (gid + 8, 2*tid4 + 8 ..)
 //   B 16x8  (col): b0 (k = 2*tid4 .. +1, n = gid)   b1 (k = 2*tid4 + 8 .. +1, n = gid)
 //   C 16x8       : c0, c1 (gid, 2*tid4 .. +1)   c2, c3 (gid + 8, 2*tid4 .. +1)
-// So two C tiles side by side (16x16, fp32) convert into one A fragment (bf16) with
-// to_a_frag: an accumulator becomes the next product's left operand without shared memory.
+// So two C tiles side by side (16x16, fp32) pack (pack_bf16) into one A fragment: an
+// accumulator becomes the next product's left operand without shared memory (the
+// warpgroup form of this is wgmma::to_a_frag).
 
 #include <cstdint>
 
@@ -26,14 +27,6 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
-}
-
-// Accumulator tiles c[2j], c[2j+1] (16 rows x 16 columns) as the A fragment of k-step j.
-__device__ __forceinline__ void to_a_frag(uint32_t (&a)[4], const float (&c0)[4], const float (&c1)[4]) {
-  a[0] = pack_bf16(c0[0], c0[1]);
-  a[1] = pack_bf16(c0[2], c0[3]);
-  a[2] = pack_bf16(c1[0], c1[1]);
-  a[3] = pack_bf16(c1[2], c1[3]);
 }
 
 // d += a * b (m16n8k16, bf16 inputs, fp32 accumulate).
@@ -70,6 +63,8 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+constexpr float kLog2e = 1.4426950408889634f;  // e^x = 2^(x kLog2e), the form exp2_ftz takes
+
 // 2^x on the MUFU unit (relative error ~2^-22); results below 2^-126 flush to 0.
 __device__ __forceinline__ float exp2_ftz(float x) {
   float y;
@@ -105,6 +100,19 @@ __device__ __forceinline__ void st_global_16(void* dst, uint4 v) {
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(dst), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
 }
+
+// Named barriers: `threads` threads (a multiple of 32) of the CTA meet at barrier `id`
+// (0 is __syncthreads's); bar_arrive counts without waiting.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+// The whole CTA at barrier 0, in the non-.aligned form: for warps that reach it from
+// different code (__syncthreads is the .aligned form, which requires the same instruction).
+__device__ __forceinline__ void cta_barrier() { asm volatile("barrier.sync 0;\n" ::: "memory"); }
 
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 

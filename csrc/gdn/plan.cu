@@ -1,63 +1,34 @@
-// The plan of the GDN forward (see gdn_fwd.h): the check of cu_seqlens, where each
-// document's chunks and segments sit in the static slot grids, and the host's choice of
-// the cut grid.
+// The plan of the GDN forward (plan.h): on the device, the check of cu_seqlens and where
+// each document's chunks and segments sit in the static slot grids; on the host, the cut
+// grid, the value splits and the workspace layout.
 //
-// NOTES:
+// Why it is as it is (docs/kernels.md, "Plan and cut grid"):
 // - The offsets are computed on the device (no host sync, CUDA-graph safe); launch sizes
 //   use only the bounds gdn_fwd_chunk_slots / gdn_fwd_segment_slots, and CTAs past a
 //   document's real chunks or segments return at once.
 // - cu_seqlens's values are checked here, by the first kernel of the forward, not by
-//   torch ops before it (about 8 small kernels and 50 us of host time a call): a bad
+//   torch ops before it (several small kernels and host time on every call): a bad
 //   array stops the stream with a device-side assert naming it (as torch._assert_async
 //   would), before any other stage reads it.
 // - The non-deterministic cut grid comes from a cost model over static shapes only (T, N,
 //   HV, SM count): the document lengths are on the device and reading them would sync.
 // - The deterministic grid halves for a long document that alone would leave SMs idle
-//   (gdn_fwd_choose_segment_long_max): s16k_long (one document of 256 chunks, HV = 16),
-//   at 32 chunks, 8 segments x 16 heads walk unsplit where 4 x 16 walked split by value
-//   columns: walk 0.106 -> 0.085 ms, summaries 0.043 -> 0.045, forward 0.210 -> 0.193
-//   (tools/ab_csrc.py, against the same code on the 64-chunk grid). The rule reads the
-//   document's length and HV, never its neighbours or the SM count, so its bits stay its
-//   own; packs of 4096-token documents (s64k_h16, s256k_h2, s16k_h8) are not cut, and
-//   documents of fewer than 256 chunks keep the 64-chunk grid (s32k_h16's three
-//   documents already fill the GPU).
+//   (gdn_fwd_choose_segment_long_max): more, unsplit walks beat fewer split ones there.
+//   The rule reads the document's length and HV, never its neighbours or the SM count,
+//   so its bits stay its own.
 
 #include <algorithm>
 #include <cassert>  // __assert_fail (glibc), what a device assert calls
 #include <cmath>
 #include <cstdio>
 
-#include "gdn_chunks.cuh"
-#include "gdn_fwd.h"
+#include "common/scan.cuh"
+#include "gdn/chunks.cuh"
+#include "gdn/gdn.h"
+#include "gdn/plan.h"
 
 namespace cake {
 namespace {
-
-// Inclusive block-wide sum of x (blockDim.x = 1024) and the block's total.
-__device__ __forceinline__ int32_t block_inclusive_scan(int32_t x, int32_t* warp_sums, int32_t& total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int32_t y = __shfl_up_sync(0xffffffffu, x, o);
-    if (lane >= o) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  if (warp == 0) {
-    int32_t s = lane < nwarps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int32_t y = __shfl_up_sync(0xffffffffu, s, o);
-      if (lane >= o) s += y;
-    }
-    warp_sums[lane] = s;
-  }
-  __syncthreads();
-  total = warp_sums[nwarps - 1];
-  const int32_t result = x + (warp > 0 ? warp_sums[warp - 1] : 0);
-  __syncthreads();  // warp_sums is rewritten by the next call
-  return result;
-}
 
 // cu_seqlens must start at 0, never decrease and end at T: else the values around the
 // first violation this thread sees are printed and the kernel asserts (the CUDA context
@@ -76,7 +47,7 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
 // of max(1, ceil(chunks_m / grid_m)), grid_m = doc_cut_chunks(chunks_m, ...) (one segment
 // per document when seg_chunks = 0);
-// chain_docs (chain_slots entries, see gdn_fwd.h): the documents with >= 3 segments in
+// chain_docs (chain_slots entries, see gdn.h): the documents with >= 3 segments in
 // order, then -1; walk_queue (if cut): 0, the summaries' first walk.
 __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int64_t T, int seg_chunks,
                                                             int long_max, int32_t* chunk_offsets, int32_t* seg_offsets,
@@ -116,8 +87,32 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
   for (int32_t j = chain_carry + threadIdx.x; j < chain_slots; j += blockDim.x) chain_docs[j] = -1;
 }
 
-// 2 where a launch of about `ctas` CTAs fits in one wave of sm_count when split.
+// 2 where a launch of about `ctas` CTAs fits in one wave of sm_count when split
+// (docs/kernels.md, "Value split").
 int value_splits_for(double ctas, int sm_count) { return 2.0 * ctas <= sm_count ? 2 : 1; }
+
+// The value splits of the walk and summary launches for a plan's shapes and cut grid.
+void choose_value_splits(GdnPlan& p) {
+  // Segments per document, the documents taken as equally long (their lengths are on the device).
+  double segs = 1.0;
+  if (p.N > 0 && p.T > 0 && p.seg_chunks > 0) {
+    const double chunks = std::ceil(static_cast<double>(p.T) / kGdnChunk / static_cast<double>(p.N));
+    segs = std::max(1.0, std::ceil(chunks / doc_cut_chunks(static_cast<int>(chunks), p.seg_chunks, p.seg_long_max)));
+  }
+  const double walks = static_cast<double>(std::max<int64_t>(p.N, 0) * p.HV);
+  p.walk_splits = value_splits_for(walks * segs, p.sm_count);
+  p.summary_splits = value_splits_for(2.0 * walks * (segs - 1.0), p.sm_count);  // E and M of each inner segment
+}
+
+// Byte offsets of consecutive pieces of one buffer, 256-byte aligned.
+struct Carve {
+  int64_t bytes = 0;
+  int64_t take(int64_t n) {
+    const int64_t at = bytes;
+    bytes += (n + 255) / 256 * 256;
+    return at;
+  }
+};
 
 }  // namespace
 
@@ -132,14 +127,14 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 
 // Cost model, in units of one chunk step of the walk with output on one SM (~2.75 us on
 // an H200), fitted to tools/gdn_fwd_gpu_check.py --segments sweeps at the benchmark's
-// mamba gate. The walk: units of one length (whole documents) run in whole waves of
-// sm_count; cut pieces are ragged (a document's last is short), so they count in
-// fractional waves; a launch that fits in one wave when split by value columns
-// (value_splits_for) takes kSplitStep of a step per chunk. Summaries: most cuts
-// are truncated (gdn_fwd.h) and cost a short walk each, about kSummaryWave per wave of
-// them; the exact ones (slow heads) walk E_s and M_s over the whole segment, about
-// kSummaryStep a chunk, alongside. The chain: kChainStep a segment. A cut plan must win by
-// kMargin. Documents are taken as equally long (T / N): their lengths are on the device.
+// mamba gate (docs/benchmark.md, "Shapes"). The walk: units of one length (whole
+// documents) run in whole waves of sm_count; cut pieces are ragged (a document's last is
+// short), so they count in fractional waves; a launch that fits in one wave when split by
+// value columns (value_splits_for) takes kSplitStep of a step per chunk. Summaries: most
+// cuts are truncated and cost a short walk each, about kSummaryWave per wave of them;
+// the exact ones (slow heads) walk E_s and M_s over the whole segment, about kSummaryStep
+// a chunk, alongside. The chain: kChainStep a segment. A cut plan must win by kMargin.
+// Documents are taken as equally long (T / N): their lengths are on the device.
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count) {
   if (deterministic) return kGdnDetSegChunks;
   if (N <= 0 || T <= 0 || sm_count <= 0) return 0;
@@ -169,16 +164,70 @@ int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic) {
   return long_max >= 4 * kGdnDetSegChunks ? static_cast<int>(long_max) : 0;
 }
 
-void gdn_fwd_choose_value_splits(GdnFwdArgs& a, int sm_count) {
-  // Segments per document, the documents taken as equally long (their lengths are on the device).
-  double segs = 1.0;
-  if (a.N > 0 && a.T > 0 && a.seg_chunks > 0) {
-    const double chunks = std::ceil(static_cast<double>(a.T) / kGdnChunk / static_cast<double>(a.N));
-    segs = std::max(1.0, std::ceil(chunks / doc_cut_chunks(static_cast<int>(chunks), a.seg_chunks, a.seg_long_max)));
-  }
-  const double walks = static_cast<double>(std::max<int64_t>(a.N, 0) * a.HV);
-  a.walk_splits = value_splits_for(walks * segs, sm_count);
-  a.summary_splits = value_splits_for(2.0 * walks * (segs - 1.0), sm_count);  // E and M of each inner segment
+GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
+                          int sm_count, int segment_chunks, int value_splits) {
+  GdnPlan p{};
+  p.T = T;
+  p.N = N;
+  p.H = H;
+  p.HV = HV;
+  p.use_qk_l2norm = use_qk_l2norm;
+  p.sm_count = sm_count;
+  p.seg_chunks = segment_chunks >= 0 ? segment_chunks : gdn_fwd_choose_segment_chunks(T, N, HV, deterministic, sm_count);
+  // An explicit grid (tests, sweeps) cuts every document alike.
+  p.seg_long_max = segment_chunks >= 0 ? 0 : gdn_fwd_choose_segment_long_max(HV, deterministic);
+  if (value_splits > 0) p.walk_splits = p.summary_splits = value_splits;
+  else choose_value_splits(p);
+
+  p.chunk_slots = gdn_fwd_chunk_slots(T, N);
+  // Inner segment slots (the segments that are not their document's last): the seg_ workspaces.
+  p.inner_slots =
+      p.seg_chunks > 0 ? gdn_fwd_inner_segment_slots(T, gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max)) : 0;
+  p.chain_slots = gdn_fwd_chain_doc_slots(T, N, p.seg_chunks);
+  const int64_t NC = p.chunk_slots, NI = p.inner_slots;
+  constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
+  Carve c;
+  GdnWorkspaceLayout& w = p.ws;
+  w.chunk_offsets = c.take((N + 1) * 4);
+  w.seg_offsets = c.take((N + 1) * 4);
+  w.seg_state = c.take(NI * HV * kMatBytes);
+  w.seg_transfer = c.take(NI * HV * kMatBytes);
+  w.seg_exact = c.take(NI * HV * 4);
+  w.chain_docs = c.take(p.chain_slots * 4);
+  w.walk_queue = c.take(4);
+  w.a = c.take(NC * HV * kGdnChunk * kGdnChunk * 2);
+  w.gcum = c.take(NC * HV * kGdnChunk * 4);
+  w.chunk_decay = c.take(NC * HV * 4);
+  w.qk_lrn = c.take(use_qk_l2norm ? NC * H * 2 * kGdnChunk * 4 : 0);
+  w.bytes = c.bytes;
+  return p;
+}
+
+void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a) {
+  unsigned char* base = static_cast<unsigned char*>(workspace);
+  const GdnWorkspaceLayout& w = plan.ws;
+  const bool inner = plan.inner_slots > 0, cut = plan.seg_chunks > 0;
+  a.chunk_offsets = reinterpret_cast<int32_t*>(base + w.chunk_offsets);
+  a.a = base + w.a;
+  a.gcum = reinterpret_cast<float*>(base + w.gcum);
+  a.chunk_decay = reinterpret_cast<float*>(base + w.chunk_decay);
+  a.qk_lrn = plan.use_qk_l2norm ? reinterpret_cast<float*>(base + w.qk_lrn) : nullptr;
+  a.seg_offsets = reinterpret_cast<int32_t*>(base + w.seg_offsets);
+  a.seg_state = inner ? reinterpret_cast<float*>(base + w.seg_state) : nullptr;
+  a.seg_transfer = inner ? reinterpret_cast<float*>(base + w.seg_transfer) : nullptr;
+  a.seg_exact = inner ? reinterpret_cast<int32_t*>(base + w.seg_exact) : nullptr;
+  a.chain_docs = cut ? reinterpret_cast<int32_t*>(base + w.chain_docs) : nullptr;
+  a.walk_queue = cut ? reinterpret_cast<int32_t*>(base + w.walk_queue) : nullptr;
+  a.T = plan.T;
+  a.N = plan.N;
+  a.H = plan.H;
+  a.HV = plan.HV;
+  a.use_qk_l2norm = plan.use_qk_l2norm;
+  a.seg_chunks = plan.seg_chunks;
+  a.seg_long_max = plan.seg_long_max;
+  a.walk_splits = plan.walk_splits;
+  a.summary_splits = plan.summary_splits;
+  a.sm_count = plan.sm_count;
 }
 
 }  // namespace cake

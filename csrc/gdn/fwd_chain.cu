@@ -1,28 +1,27 @@
-// The chain of a segmented GDN forward walk (see gdn_fwd.h): per (document, value head),
-// in segment order,  S_start(s + 1) = M_s S_start(s) + E_s,  s = 1 .. P - 2, where
-// S_start(1) = E_0 (segment 0's walk already started from the initial state), and
-// S_start(s + 1) = E_s at a truncated cut (seg_exact = 0: no M_s was formed).
+// The chain of a segmented GDN forward walk (gdn.h; docs/kernels.md, "Exact cuts and the
+// chain"): per (document, value head), in segment order,
+// S_start(s + 1) = M_s S_start(s) + E_s,  s = 1 .. P - 2, where S_start(1) = E_0 (segment
+// 0's walk already started from the initial state), and S_start(s + 1) = E_s at a
+// truncated cut (seg_exact = 0: no M_s was formed).
 // In place: seg_state[slot of s] holds E_s before and S_start(s + 1) after.
 //
-// NOTES:
-// - fp32 throughout (DESIGN.md §2: a bf16 transfer chain diverges); plain FMAs in a fixed
-//   order, so the bits depend only on the cut grid.
+// Why it is as it is:
+// - fp32 throughout (a bf16 transfer chain diverges; docs/contract.md, "Accuracy"); plain
+//   FMAs in a fixed order, so the bits depend only on the cut grid.
 // - One CTA per (chained document, value head, 16 value columns): the value columns never
 //   mix, so 8 CTAs share a head's chain without talking; each step is 128 x 128 x 16 MACs
 //   plus one 64 KB read of M_s (from L2: the summaries wrote it just before). The chain
 //   is serial, so a step's latency is what counts, not its throughput.
 // - Only documents with >= 3 segments have a step. The grid covers the bound on their
 //   number (gdn_fwd_chain_doc_slots; the plan lists them in chain_docs), not every
-//   document: one CTA per document, head and 8 columns returned at once almost
-//   everywhere and cost 10-11 us a call at s64k_h16 and s256k_h2 (deterministic grid,
-//   no document cut), about as much per CTA as real work; now 3 us (tools/ab_csrc.py).
+//   document: CTAs that return at once cost about as much each as real work.
 // - Thread k owns row k of the CTA's tile; the previous start state's tile sits in
 //   shared memory, read as broadcasts. M_s is stored transposed, so a warp's loads of
-//   row k = lane's element i are one 128-byte line: loading rows directly (a float4 per
-//   lane, 32 lines an instruction) cost 32 L1 wavefronts a load and ~7 us a step.
+//   row k = lane's element i are one 128-byte line (loading rows directly, a float4 per
+//   lane, costs 32 L1 wavefronts a load).
 
-#include "gdn_chunks.cuh"
-#include "gdn_fwd.h"
+#include "gdn/gdn.h"
+#include "gdn/plan.h"
 
 namespace cake {
 namespace {

@@ -1,0 +1,138 @@
+#pragma once
+
+// The GDN ("Gated DeltaNet") forward on sm_90a: the one argument struct of its stages,
+// their constants and launchers. Torch-free (the binding, gdn/binding.cpp, is the only
+// torch-side file). Math: docs/math.md ("The recurrence", "Chunked form"); the stages:
+// docs/kernels.md ("Forward stages").
+//
+// Glossary: our stage names, the math (chunk of 64 tokens, gcum the chunk-local cumsum
+// of the log gates g, gl = gcum of the chunk's last token), and FLA's names for the same
+// work (docs/math.md, "Stage names"):
+//   plan       chunk and segment offsets of the packed documents in static slot grids
+//              (plan.cu)                   ~ FLA prepare_chunk_indices / prepare_chunk_offsets
+//   prep       per (chunk, q/k head): K K^T; per value head: gcum and
+//              A diag(beta), A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1;
+//              with use_qk_l2norm the rows' inverse norms (fwd_prep.cu)
+//                                          ~ FLA chunk_local_cumsum + chunk_scaled_dot_kkt
+//                                            + solve_tril (the norms: l2norm_fwd, not applied)
+//   walk       per (segment, value head), S^T in registers across chunks (fwd_walk.cu):
+//              v_new = A diag(beta) (v - e^gcum (k S)),  o = scale e^gcum (q S) + P~ v_new,
+//              S <- e^gl S + (e^(gl - gcum) k)^T v_new,  P~ = scale tril(q k^T e^(gcum_i - gcum_j))
+//                                          ~ FLA recompute_w_u_fwd + chunk_gated_delta_rule_fwd_h
+//                                            fused with chunk_fwd_o
+//   summaries  per inner segment s, the walk without output: S_end = M_s S_start + E_s,
+//              E_s from zero, M_s from the identity with v = 0 (fwd_walk.cu, summary mode)
+//   chain      S_start(s + 1) = M_s S_start(s) + E_s in order, fp32 (fwd_chain.cu)
+//                                          ~ (summaries + chain) the segment transfers of FLA's
+//                                            context-parallel pre-pass, chained
+// Segments: every document is cut at a grid of seg_chunks chunks counted from its start
+// (chunks.cuh, doc_cut_chunks; docs/kernels.md, "Plan and cut grid"); at a truncated cut
+// the summary walks E_s over a window only and forms no M_s (docs/kernels.md,
+// "Truncated cuts"; "Exact cuts and the chain"). The deterministic grid is a function of
+// the document's own length and HV (docs/contract.md, "Determinism").
+//
+//   q, k           [T, H, 128] bf16          v [T, HV, 128] bf16, HV = G * H
+//   g              [T, HV] fp32              beta [T, HV] fp32 or bf16 (beta_dtype)
+//   cu_seqlens     [N + 1] int32 / int64 (cu_int64): 0, non-decreasing, T
+//   initial_state  [N, HV, 128, 128] fp32 or nullptr (zeros)
+//   o              [T, HV, 128] bf16, every element written
+//   final_state    [N, HV, 128, 128] fp32, every element written (an empty document's
+//                  is its initial state, or zeros)
+// Workspaces (contents need no initialisation; sizes and offsets: GdnPlan, plan.h;
+// docs/kernels.md, "Workspaces"):
+//   chunk_offsets  [N + 1] int32                 first chunk slot of each document
+//   a              [NC, HV, 64, 64] bf16         A diag(beta) per chunk slot
+//   gcum           [NC, HV, 64] fp32             chunk-local cumsum of the floored g
+//                                                (kGdnGateFloor; pads: last value)
+//   chunk_decay    [NC, HV] fp32                 the chunk's log decay gcum[63] when every
+//                                                token's update I - beta k k^T is a contraction
+//                                                (0 <= beta |k|^2 <= 2), else +inf
+//   qk_lrn         [NC, H, 2, 64] fp32           log2 of the rows' inverse L2 norms,
+//                                                q then k (only if use_qk_l2norm)
+//   seg_offsets    [N + 1] int32                 first segment slot of each document
+//   seg_state      [NI, HV, 128, 128] fp32       E_s, then the chained start states S_start(s + 1)
+//   seg_transfer   [NI, HV, 128, 128] fp32       M_s^T (transposed: the chain reads columns of M_s)
+//   seg_exact      [NI, HV] int32                1: S_start(s + 1) needs M_s; 0: the cut is truncated
+//   chain_docs     [ND] int32                    the documents with a chain (>= 3 segments), in
+//                                                order, then -1 (ND = gdn_fwd_chain_doc_slots)
+//   walk_queue     [1] int32                     the next summary walk to hand out (the plan zeroes it)
+// with NC = ceil(T / 64) + N chunk slots and NI inner segment slots, the segments that
+// are not their document's last, document n's from index seg_offsets[n] - n on
+// (gdn_fwd_inner_segment_slots; the seg_ workspaces only when seg_chunks > 0). Launch
+// sizes depend on T, N, H, HV and seg_chunks only (and the SM count, for the persistent
+// summary grid): no host sync, CUDA-graph capturable. Deterministic: fixed reduction
+// orders, no float atomics (an integer one hands out summary walks; which CTA runs a walk
+// does not change its bits).
+//
+// The kernels take this struct by value: its layout is their parameter layout.
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+#include "common/dtype.h"
+
+namespace cake {
+
+struct GdnFwdArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  const float* g;
+  const void* beta;
+  DType beta_dtype;
+  const void* cu_seqlens;
+  bool cu_int64;
+  const float* initial_state;
+  void* o;
+  float* final_state;
+  int32_t* chunk_offsets;
+  void* a;
+  float* gcum;
+  float* chunk_decay;
+  float* qk_lrn;
+  int32_t* seg_offsets;
+  float* seg_state;
+  float* seg_transfer;
+  int32_t* seg_exact;
+  int32_t* chain_docs;
+  int32_t* walk_queue;
+  int64_t T, N, H, HV;
+  int seg_chunks;    // > 0: the cut grid in chunks; 0: one segment per document
+  int seg_long_max;  // documents of 4 seg_chunks .. seg_long_max chunks are cut every seg_chunks / 2 (0: none)
+  int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)
+  int summary_splits;  // the same for the summaries; the bits are the same either way
+  int sm_count;        // the device's SMs: the persistent summary grid's size bound
+  float scale;
+  bool use_qk_l2norm;
+};
+
+constexpr int kGdnChunk = 64;     // tokens per chunk: the unit of every GDN workspace and walk step
+constexpr int kGdnHeadDim = 128;  // K = V, the only head dims the kernels take
+constexpr float kL2NormEps = 1e-6f;  // use_qk_l2norm: x / sqrt(|x|^2 + eps), as the PyTorch path
+constexpr float kGdnTruncLogDecay = -20.f;  // a cut is truncated where the window's log decay is <= this
+                                            // (||M_s|| <= e^-20, below fp32 resolution of the state)
+
+// The prep floors every log gate at kGdnGateFloor (natural log units) as it loads g, so a
+// full reset g = -inf (exp(g) = 0) does not make gcum_i - gcum_j = -inf - (-inf) = NaN
+// over the whole document. e^-128 = 2^-184.7 is 0 in fp32 (below 2^-149), and 0 under the
+// kernels' exp2.ftz (results below 2^-126 flush) after any scale or inverse-norm factor
+// below 2^58 is folded into the exponent, so a floored token decays the state exactly as
+// e^-inf does; and the chunk-local gcum stays >= 64 * -128 (for g <= 0), far from where
+// fp32 differences of it lose accuracy. A floored chunk is simply a strongly decaying one
+// (chunk_decay <= -128: truncated cuts see it as such). NaN stays NaN (no fmaxf).
+// The PyTorch path applies the same floor (docs/contract.md, "Accuracy").
+constexpr float kGdnGateFloor = -128.f;
+
+// The whole forward: plan, prep, segment summaries and chain (if cut), walk. Returns
+// the first launch error. args: shapes, tensors and a GdnPlan applied (plan.h).
+cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
+
+// The stages (also usable alone, e.g. by a backward that recomputes the forward).
+cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
+
+}  // namespace cake

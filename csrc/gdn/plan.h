@@ -1,0 +1,100 @@
+#pragma once
+
+// The plan of a GDN call, in one place (docs/kernels.md, "Plan and cut grid", "Value
+// split", "Workspaces"): on the host, from static shapes only (no host sync), the cut
+// grid, the value splits and the workspace layout (GdnPlan); on the device, the offsets
+// of the documents' chunks and segments (gdn_fwd_plan_launch, gdn.h). Torch-free: the
+// binding allocates GdnPlan::bytes and calls gdn_fwd_apply_plan; a backward carves its
+// forward pieces from the same layout.
+
+#include <algorithm>
+#include <cstdint>
+
+#include "gdn/gdn.h"
+
+namespace cake {
+
+// Chunk slots NC: every document's chunks fit ceil(T / 64) + N slots.
+inline int64_t gdn_fwd_chunk_slots(int64_t T, int64_t N) { return (T + kGdnChunk - 1) / kGdnChunk + N; }
+
+// Segment slots: document n has max(1, ceil(chunks_n / seg_chunks)) <= chunks_n /
+// seg_chunks + 1 segments (an empty one has one, of no chunks, which writes its final
+// state), and sum chunks_n <= NC; so NC / seg_chunks + N bounds the total.
+inline int64_t gdn_fwd_segment_slots(int64_t T, int64_t N, int seg_chunks) {
+  return seg_chunks > 0 ? (gdn_fwd_chunk_slots(T, N) + seg_chunks - 1) / seg_chunks + N : N;
+}
+
+// Segments that are not their document's last (the ones with summaries): sum over n of
+// (segments_n - 1) <= sum floor((chunks_n - 1) / seg_chunks) <= (ceil(T / 64) - 1) / seg_chunks.
+inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks) {
+  return seg_chunks > 0 && T > 0 ? ((T + kGdnChunk - 1) / kGdnChunk - 1) / seg_chunks : 0;
+}
+
+// The finest grid any document is cut at (doc_cut_chunks, chunks.cuh), for the slot bounds above.
+inline int gdn_fwd_finest_cut_chunks(int seg_chunks, int seg_long_max) {
+  return seg_chunks > 1 && seg_long_max >= 4 * seg_chunks ? seg_chunks / 2 : seg_chunks;
+}
+
+// Documents with >= 3 segments, the ones with a chain step: more than 2 seg_chunks
+// chunks (a long one, cut finer, has at least 4 seg_chunks), so more than 128 seg_chunks
+// tokens each. The chain launches a CTA group per such slot, not per document (with many
+// short documents almost all would return).
+inline int64_t gdn_fwd_chain_doc_slots(int64_t T, int64_t N, int seg_chunks) {
+  return seg_chunks > 0 ? std::min<int64_t>(N, T / (2 * kGdnChunk * static_cast<int64_t>(seg_chunks) + 1)) : 0;
+}
+
+// The deterministic cut grid, for every shape and device (docs/contract.md, "Determinism").
+constexpr int kGdnDetSegChunks = 64;
+// Deterministic: a document of at least 4 kGdnDetSegChunks chunks (16,384 tokens) is cut
+// every kGdnDetSegChunks / 2 while, cut at the full grid, its segments times HV would fill
+// fewer than kGdnDetFillWalks walks, i.e. up to kGdnDetSegChunks (ceil(kGdnDetFillWalks /
+// HV) - 1) chunks (none from HV = 32). Such a document alone leaves SMs idle at the full
+// grid; the length and HV are the document's own, not the SM count's or its neighbours'.
+constexpr int kGdnDetFillWalks = 128;
+
+// The cut grid for a call: deterministic, kGdnDetSegChunks; otherwise chosen from the
+// shapes and the SM count by a cost model (0 when the (document, value head) walks alone
+// fill the GPU).
+int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count);
+
+// seg_long_max for a call: deterministic, as kGdnDetFillWalks says; non-deterministic, 0
+// (its grid is chosen from the whole call already).
+int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic);
+
+// Byte offsets of the workspace pieces (gdn.h) in one buffer, each 256-byte aligned; a
+// piece that the call does not use has 0 bytes (its pointer is set to nullptr).
+struct GdnWorkspaceLayout {
+  int64_t chunk_offsets, seg_offsets, seg_state, seg_transfer, seg_exact, chain_docs, walk_queue;
+  int64_t a, gcum, chunk_decay, qk_lrn;
+  int64_t bytes;  // the buffer's size
+};
+
+// Everything the host decides for one call.
+struct GdnPlan {
+  int64_t T, N, H, HV;
+  bool use_qk_l2norm;
+  int seg_chunks;      // the cut grid (0: uncut)
+  int seg_long_max;    // long documents of 4 seg_chunks .. seg_long_max chunks: cut at seg_chunks / 2
+  int walk_splits;     // value splits of the walk with output (1 or 2)
+  int summary_splits;  // and of the summaries
+  int sm_count;
+  int64_t chunk_slots;        // NC
+  int64_t inner_slots;        // NI: the seg_ workspaces' segments
+  int64_t chain_slots;        // ND
+  GdnWorkspaceLayout ws;
+};
+
+// The plan of a call. segment_chunks: -1 lets the plan choose the cut grid (fixed for
+// deterministic, shape- and SM-count-dependent otherwise); >= 0 forces one (0: uncut;
+// an explicit grid cuts every document alike: no finer long-document grid).
+// value_splits: -1 lets the plan choose (2 where the split CTAs fit in one wave of
+// sm_count, else 1; the bits do not depend on it, so the deterministic variant chooses
+// too), 1 or 2 forces it. Forcing is for tests and tuning.
+GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
+                          int sm_count, int segment_chunks = -1, int value_splits = -1);
+
+// Sets args' plan fields (seg_chunks, seg_long_max, splits, sm_count, shapes) and points
+// its workspace pointers into `workspace` (plan.ws.bytes bytes, 256-byte aligned).
+void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& args);
+
+}  // namespace cake
