@@ -1,5 +1,6 @@
 """The benchmark (cake_ops.bench): its arithmetic, and a CPU smoke run of ``--quick``."""
 
+import contextlib
 import json
 import math
 import os
@@ -8,54 +9,60 @@ import signal
 import pytest
 import torch
 
-from cake_ops import bench
+from cake_ops.bench import timing
+from cake_ops.bench.__main__ import main, parse_args
+from cake_ops.bench.accuracy import GRAD_NAMES
+from cake_ops.bench.arms import ARMS, FRESH_CU_SEQLENS, OPS, Arm, make_step
+from cake_ops.bench.report import format_kernels, format_table, sanitize
+from cake_ops.bench.shapes import QUICK_SHAPES, SHAPES, chunks_per_head, fwd_flop_per_head_chunk, gdn_flop
+from cake_ops.bench.timing import drift, is_unstable, kernel_split, median_split, palindrome, short_kernel_name
 
 
 def test_chunks_per_head():
-    assert bench.chunks_per_head(bench.SHAPES["s32k_h16"].docs) == 172 + 188 + 153 == 513
-    assert bench.chunks_per_head((4096,) * 16) == 16 * 64
-    assert bench.chunks_per_head((1, 64, 65)) == 1 + 1 + 2
-    assert bench.chunks_per_head(()) == 0
+    assert chunks_per_head(SHAPES["s32k_h16"].docs) == 172 + 188 + 153 == 513
+    assert chunks_per_head((4096,) * 16) == 16 * 64
+    assert chunks_per_head((1, 64, 65)) == 1 + 1 + 2
+    assert chunks_per_head(()) == 0
 
 
 def test_forward_flop_matches_kernels_md():
-    # KERNELS.md §3.1: 3a + 3b + 2a/G + inverse = 11.7 MFLOP at G = 1, 10.3 at G = 3.
-    assert bench.fwd_flop_per_head_chunk(128, 128, 1) == pytest.approx(11.7e6, rel=0.01)
-    assert bench.fwd_flop_per_head_chunk(128, 128, 3) == pytest.approx(10.3e6, rel=0.01)
+    # docs/benchmark.md, Timings: 3a + 3b + 2a/G + inverse = 11.7 MFLOP at G = 1, 10.3 at G = 3.
+    assert fwd_flop_per_head_chunk(128, 128, 1) == pytest.approx(11.7e6, rel=0.01)
+    assert fwd_flop_per_head_chunk(128, 128, 3) == pytest.approx(10.3e6, rel=0.01)
     a, b = 2 * 64 * 64 * 128, 2 * 64 * 128 * 128
-    assert bench.fwd_flop_per_head_chunk(128, 128, 2) == pytest.approx(3 * a + 3 * b + a + 2 * 64**3 / 3)
+    assert fwd_flop_per_head_chunk(128, 128, 2) == pytest.approx(3 * a + 3 * b + a + 2 * 64**3 / 3)
 
 
 def test_gdn_flop_per_op():
-    s = bench.SHAPES["s32k_h16"]
-    fwd = bench.gdn_flop(s, "fwd")
-    assert fwd == pytest.approx(513 * 48 * bench.fwd_flop_per_head_chunk(128, 128, 3))
-    assert bench.gdn_flop(s, "fwdbwd") == pytest.approx(3.9 * fwd)
-    assert bench.gdn_flop(s, "ckpt") == pytest.approx(4.9 * fwd)
-    # BENCH.md: the fwdbwd floor at s32k_h16 is about 1.2 ms (on ~790 TFLOP/s).
-    assert bench.gdn_flop(s, "fwdbwd") / 790e12 * 1e3 == pytest.approx(1.25, abs=0.1)
+    s = SHAPES["s32k_h16"]
+    fwd = gdn_flop(s, "fwd")
+    assert fwd == pytest.approx(513 * 48 * fwd_flop_per_head_chunk(128, 128, 3))
+    assert gdn_flop(s, "fwdbwd") == pytest.approx(3.9 * fwd)
+    assert gdn_flop(s, "ckpt") == pytest.approx(4.9 * fwd)
+    # The fwdbwd floor at s32k_h16 is about 1.2 ms (on ~790 TFLOP/s).
+    assert gdn_flop(s, "fwdbwd") / 790e12 * 1e3 == pytest.approx(1.25, abs=0.1)
 
 
 def test_palindrome():
-    assert bench.palindrome(["a", "b", "c"]) == ["a", "b", "c", "c", "b", "a"]
-    assert bench.palindrome([]) == []
-    order = bench.palindrome(range(5))
+    assert palindrome(["a", "b", "c"]) == ["a", "b", "c", "c", "b", "a"]
+    assert palindrome([]) == []
+    order = palindrome(range(5))
     mean_pos = {x: sum(i for i, y in enumerate(order) if y == x) / 2 for x in range(5)}
     assert len(set(mean_pos.values())) == 1
 
 
 def test_drift_and_unstable():
-    assert bench.drift([1.0, 1.01, 1.03]) == pytest.approx(0.03 / 1.01)
-    assert bench.drift([2.0, 5.0, 2.0]) == 0.0  # first and last only
-    assert math.isnan(bench.drift([1.0]))
-    assert math.isnan(bench.drift([1.0, math.nan, 1.0]))
-    assert math.isnan(bench.drift([0.0, 0.0, 0.0]))
-    assert bench.is_unstable(0.021) and not bench.is_unstable(0.02) and not bench.is_unstable(math.nan)
+    assert drift([1.0, 1.01, 1.03]) == pytest.approx(0.03 / 1.01)
+    assert drift([2.0, 5.0, 2.0]) == 0.0  # first and last only
+    assert math.isnan(drift([1.0]))
+    assert math.isnan(drift([1.0, math.nan, 1.0]))
+    assert math.isnan(drift([0.0, 0.0, 0.0]))
+    assert is_unstable(0.021) and not is_unstable(0.02) and not is_unstable(math.nan)
 
 
 def test_sanitize_makes_strict_json():
     report = {"a": math.nan, "b": [1.0, math.inf, -math.inf, (2, 3.5)], "c": {1: True, "d": None, "e": "x"}}
-    clean = bench.sanitize(report)
+    clean = sanitize(report)
     assert clean == {"a": None, "b": [1.0, None, None, [2, 3.5]], "c": {"1": True, "d": None, "e": "x"}}
     json.dumps(clean, allow_nan=False)
     with pytest.raises(ValueError):
@@ -63,16 +70,16 @@ def test_sanitize_makes_strict_json():
 
 
 def test_parse_args():
-    args = bench.parse_args(["--quick", "--arms", "torch,cake", "--ops", "fwd"])
-    assert args.shapes == list(bench.QUICK_SHAPES) and args.ops == ["fwd"]
+    args = parse_args(["--quick", "--arms", "torch,cake", "--ops", "fwd"])
+    assert args.shapes == list(QUICK_SHAPES) and args.ops == ["fwd"]
     assert args.arms == ["cake", "torch"]  # canonical order, whatever the order asked
     assert args.calls == 2 and args.groups == 3
-    full = bench.parse_args([])
-    assert full.shapes == list(bench.SHAPES) and full.arms == list(bench.ARMS) and full.ops == list(bench.OPS)
-    assert set(bench.SHAPES) == {"s32k_h16", "s64k_h16", "s16k_long", "s256k_h2", "s16k_h8", "s32k_h2"}
+    full = parse_args([])
+    assert full.shapes == list(SHAPES) and full.arms == list(ARMS) and full.ops == list(OPS)
+    assert set(SHAPES) == {"s32k_h16", "s64k_h16", "s16k_long", "s256k_h2", "s16k_h8", "s32k_h2"}
     for bad in (["--groups", "2"], ["--arms", "nope"], ["--shapes", "s1"], ["--ops", ""]):
         with pytest.raises(SystemExit):
-            bench.parse_args(bad)
+            parse_args(bad)
 
 
 def test_table_marks_unstable_and_wall_clock():
@@ -81,38 +88,42 @@ def test_table_marks_unstable_and_wall_clock():
         "meta": {"timing": "wall-clock", "matmul_tflops": 1.0},
         "results": [
             {**row, "arm": "cake", "kernel_ms": 1.0, "stream_ms": 2.0, "sync_ms": 3.0,
-             "unstable_timings": ["stream_ms"], "cake_over_arm_kernel": 1.0},
+             "unstable_timings": ["stream_ms"], "cake_over_arm_kernel": 1.0, "peak_mem_bytes": 3 << 20},
             {**row, "arm": "fla", "kernel_ms": 2.0, "stream_ms": 2.0, "sync_ms": 3.0,
-             "unstable_timings": ["kernel_ms"], "cake_over_arm_kernel": 0.5},
+             "unstable_timings": ["kernel_ms"], "cake_over_arm_kernel": 0.5, "peak_mem_bytes": None},
             {**row, "arm": "torch", "kernel_ms": None, "stream_ms": None, "sync_ms": None,
              "unstable_timings": [], "cake_over_arm_kernel": None, "error": "failed the accuracy check"},
         ],
     }
-    lines = bench.format_table(report).splitlines()
-    assert lines[0].split() == ["shape", "op", "arm", "kernel_ms", "stream_ms", "sync_ms", "floor_ms", "cake/arm"]
+    lines = format_table(report).splitlines()
+    assert lines[0].split() == [
+        "shape", "op", "arm", "kernel_ms", "stream_ms", "sync_ms", "floor_ms", "cake/arm", "peak_MiB",
+    ]
     assert "2.000*" in lines[1] and "1.000*" not in lines[1]
     assert "0.50*" in lines[2] and "2.000*" in lines[2]
     assert "failed the accuracy check" in lines[3]
     assert any("NO CUDA" in line for line in lines)
+    # peak memory: MiB in the last column, "-" where not measured (no CUDA) or missing.
+    assert [line.split()[8] for line in lines[1:4]] == ["3.0", "-", "-"]
 
 
 def test_kernel_names_are_shortened():
-    assert bench.short_kernel_name(
+    assert short_kernel_name(
         "void cake::(anonymous namespace)::gdn_fwd_walk_kernel<true, 2>(cake::GdnFwdArgs, cake::WalkMaps)"
     ) == "cake::gdn_fwd_walk_kernel<true, 2>"
-    assert bench.short_kernel_name("main_kernel") == "main_kernel"
-    assert bench.short_kernel_name("void f<(int)3>(float*)") == "f<(int)3>"
-    assert len(bench.short_kernel_name("k" * 200)) == 90
+    assert short_kernel_name("main_kernel") == "main_kernel"
+    assert short_kernel_name("void f<(int)3>(float*)") == "f<(int)3>"
+    assert len(short_kernel_name("k" * 200)) == 90
 
 
 def test_kernel_split_tells_repeated_names_apart_by_rank():
     # Two calls of: main_kernel (1 us), prep (2 us), main_kernel (4 us); plus one stray copy.
     call = [("main_kernel", 1.0), ("void prep(int)", 2.0), ("main_kernel", 4.0)]
-    split = bench.kernel_split(call + call + [("Memcpy DtoD", 6.0)], n=2)
+    split = kernel_split(call + call + [("Memcpy DtoD", 6.0)], n=2)
     assert split == pytest.approx({"main_kernel#0": 1e-3, "prep": 2e-3, "main_kernel#1": 4e-3, "Memcpy DtoD": 3e-3})
     assert sum(split.values()) == pytest.approx((2 * 7.0 + 6.0) / 1e3 / 2)
     # Medians per kernel over samples; a kernel missing from a sample counts 0 there.
-    med = bench.median_split([{"a": 1.0, "b": 3.0}, {"a": 2.0, "b": 5.0}, {"a": 9.0}])
+    med = median_split([{"a": 1.0, "b": 3.0}, {"a": 2.0, "b": 5.0}, {"a": 9.0}])
     assert list(med) == ["b", "a"] and med == {"b": 3.0, "a": 2.0}
 
 
@@ -122,7 +133,7 @@ def test_kernel_table_lists_each_rows_stages():
          "kernels": {"walk": 0.6, "prep": 0.395, "plan": 0.003, "chain": 0.002}},
         {"shape": "s", "op": "fwd", "arm": "fla", "kernel_ms": None, "error": "x"},
     ]}
-    lines = bench.format_kernels(report).splitlines()
+    lines = format_kernels(report).splitlines()
     assert lines[1] == "s fwd cake  (kernel_ms 1.000)"
     assert [line.split()[-1] for line in lines[2:]] == ["walk", "prep", "other"]
     assert lines[-1].split()[0] == "0.005"
@@ -138,31 +149,31 @@ def test_fresh_cu_seqlens_are_new_tensors_each_call():
         seen.append(cu)
         return q * 2
 
-    arm = bench.Arm("spy", batched=False, fn=fn)
+    arm = Arm("spy", batched=False, fn=fn)
     cu = torch.tensor([0, 3, 5], dtype=torch.int32)
     leaves = [torch.ones(5, 1, 2, requires_grad=True) for _ in range(5)]
-    step = bench.make_step(arm, "fwd", leaves, cu, torch.ones(5, 1, 2), fresh_cu=True)
-    for _ in range(2 * bench.FRESH_CU_SEQLENS):
+    step = make_step(arm, "fwd", leaves, cu, torch.ones(5, 1, 2), fresh_cu=True)
+    for _ in range(2 * FRESH_CU_SEQLENS):
         step()
-    assert bench.FRESH_CU_SEQLENS > 4
+    assert FRESH_CU_SEQLENS > 4
     assert all(torch.equal(c, cu) for c in seen)
     ids = [id(c) for c in seen]
-    assert len(set(ids)) == bench.FRESH_CU_SEQLENS and all(c is not cu for c in seen)
+    assert len(set(ids)) == FRESH_CU_SEQLENS and all(c is not cu for c in seen)
     assert all(ids[i] != ids[i + 1] for i in range(len(ids) - 1))
-    assert all(ids[i] == ids[i + bench.FRESH_CU_SEQLENS] for i in range(bench.FRESH_CU_SEQLENS))
+    assert all(ids[i] == ids[i + FRESH_CU_SEQLENS] for i in range(FRESH_CU_SEQLENS))
     seen.clear()
-    same = bench.make_step(arm, "fwd", leaves, cu, torch.ones(5, 1, 2))
+    same = make_step(arm, "fwd", leaves, cu, torch.ones(5, 1, 2))
     same(), same()
     assert seen[0] is cu and seen[1] is cu
-    assert bench.parse_args(["--cu-seqlens", "fresh"]).cu_seqlens == "fresh"
-    assert bench.parse_args([]).cu_seqlens == "same"
+    assert parse_args(["--cu-seqlens", "fresh"]).cu_seqlens == "fresh"
+    assert parse_args([]).cu_seqlens == "same"
 
 
 def test_quick_run_on_cpu(tmp_path):
     """``--quick`` end to end on the CPU: accuracy against FP64, timings, strict JSON."""
-    path = tmp_path / "bench.json"
+    path = tmp_path / "json"
     ops = ["fwd", "fwdbwd", "ckpt"]
-    report = bench.main(
+    report = main(
         ["--quick", "--device", "cpu", "--shapes", "q_single", "--calls", "1", "--warmup", "0", "--json", str(path)]
     )
     text = path.read_text()
@@ -176,14 +187,14 @@ def test_quick_run_on_cpu(tmp_path):
     # The peers need CUDA: skipped with a message, never an error.
     assert "needs a CUDA device" in data["skipped_arms"]["fla"]
     assert "needs a CUDA device" in data["skipped_arms"]["flashqla"]
-    timed = [a for a in bench.ARMS if a not in data["skipped_arms"]]
+    timed = [a for a in ARMS if a not in data["skipped_arms"]]
     assert {"cake", "cake-nd", "cake-aa"} <= set(timed)
 
     acc = {(e["arm"], e["op"]): e for e in data["accuracy"]}
     assert set(acc) == {(a, op) for a in timed for op in ops}
     for (arm, op), e in acc.items():
         assert e["ok"], (arm, op, e["error"])
-        names = {"o"} if op == "fwd" else {"o", *bench.GRAD_NAMES}
+        names = {"o"} if op == "fwd" else {"o", *GRAD_NAMES}
         assert set(e["rel_rms"]) == names and all(0 <= x <= 1e-2 for x in e["rel_rms"].values())
 
     rows = {(r["shape"], r["op"], r["arm"]): r for r in data["results"]}
@@ -195,16 +206,21 @@ def test_quick_run_on_cpu(tmp_path):
             assert r[t] is not None and r[t] > 0, (key, t)
         assert len(r["group_medians"]["kernel_ms"]) == 3
         assert set(r["drift"]) == {"kernel_ms", "stream_ms", "sync_ms"}
-        assert r["flop"] == pytest.approx(bench.gdn_flop(bench.QUICK_SHAPES["q_single"], r["op"]))
+        assert r["flop"] == pytest.approx(gdn_flop(QUICK_SHAPES["q_single"], r["op"]))
         assert (r["cake_over_arm_kernel"] == 1.0) if r["arm"] == "cake" else r["cake_over_arm_kernel"] > 0
+        # Peak memory of one call, every arm and op: null without CUDA.
+        assert "peak_mem_bytes" in r and r["peak_mem_bytes"] is None, key
     assert report["results"][0]["shape"] == "q_single"
+    table = format_table(report).splitlines()
+    assert table[0].split()[-1] == "peak_MiB"
+    assert all(line.split()[8] == "-" for line in table[1 : 1 + len(rows)])
 
 
 def test_sigterm_reports_the_cells_timed_so_far(tmp_path, monkeypatch):
     """A SIGTERM (what ``timeout`` sends) in the profiler pass: the CUDA-event timings
     already taken are still summarised and written, the unfinished ones are null and
     listed in ``untimed``, the meta says where it stopped, and the handler is restored."""
-    real_time_cell, calls = bench.time_cell, []
+    real_time_cell, calls = timing.time_cell, []
 
     def time_cell(shape, op, arms, inp, timer, timings, args):
         calls.append((shape.name, op, tuple(timings)))
@@ -212,11 +228,11 @@ def test_sigterm_reports_the_cells_timed_so_far(tmp_path, monkeypatch):
             os.kill(os.getpid(), signal.SIGTERM)
         return real_time_cell(shape, op, arms, inp, timer, timings, args)
 
-    monkeypatch.setattr(bench, "time_cell", time_cell)
+    monkeypatch.setattr(timing, "time_cell", time_cell)
     before = signal.getsignal(signal.SIGTERM)
-    path = tmp_path / "bench.json"
+    path = tmp_path / "json"
     argv = ["--quick", "--device", "cpu", "--shapes", "q_single", "--ops", "fwd,fwdbwd", "--arms", "cake,cake-nd"]
-    report = bench.main(argv + ["--calls", "1", "--warmup", "0", "--json", str(path)])
+    report = main(argv + ["--calls", "1", "--warmup", "0", "--json", str(path)])
     assert signal.getsignal(signal.SIGTERM) is before
     assert calls == [("q_single", "fwd", ("stream_ms", "sync_ms")), ("q_single", "fwdbwd", ("stream_ms", "sync_ms")),
                      ("q_single", "fwd", ("kernel_ms",))]
@@ -228,4 +244,72 @@ def test_sigterm_reports_the_cells_timed_so_far(tmp_path, monkeypatch):
     for key, r in rows.items():
         assert r["error"] is None and r["untimed"] == ["kernel_ms"], key
         assert r["kernel_ms"] is None and r["stream_ms"] > 0 and r["sync_ms"] > 0, key
-    assert "INTERRUPTED (SIGTERM while timing q_single fwd [kernel_ms])" in bench.format_table(report)
+        assert "peak_mem_bytes" in r, key  # taken in the first pass (null without CUDA)
+    assert "INTERRUPTED (SIGTERM while timing q_single fwd [kernel_ms])" in format_table(report)
+
+
+def test_tools_imports_stay_at_the_package():
+    """tools/gdn_fwd_gpu_check.py and tests/cuda import these from cake_ops.bench."""
+    import cake_ops.bench as bench
+    from cake_ops.bench import shapes
+
+    assert bench.SHAPES is SHAPES and bench.make_inputs is shapes.make_inputs
+    assert bench.chunks_per_head is chunks_per_head and bench.fwd_flop_per_head_chunk is fwd_flop_per_head_chunk
+
+
+def test_peak_memory_is_null_without_cuda():
+    calls = []
+    assert timing.Timer(torch.device("cpu")).peak_memory(lambda: calls.append(1)) is None
+    assert calls == []
+
+
+def test_arm_context_covers_the_backward_and_the_recompute():
+    """An arm's context (the torch arm: cake_ops.pytorch_implementation) is entered
+    around the whole call, so the backward, and ckpt's recompute, run inside it too."""
+    inside = []
+    seen = {"fwd": [], "bwd": []}
+
+    class Spy(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            seen["fwd"].append(bool(inside))
+            ctx.save_for_backward(x)  # what ckpt's recompute recomputes
+            return x * x
+
+        @staticmethod
+        def backward(ctx, dy):
+            seen["bwd"].append(bool(inside))
+            (x,) = ctx.saved_tensors
+            return 2 * x * dy
+
+    @contextlib.contextmanager
+    def context():
+        inside.append(1)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    def fn(q, k, v, g, beta, cu):
+        return Spy.apply(q) + 0 * sum(x.sum() for x in (k, v, g, beta))
+
+    arm = Arm("spy", batched=False, fn=fn, context=context)
+    leaves = [torch.ones(5, 1, 2, requires_grad=True) for _ in range(5)]
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    for op, n_fwd in (("fwd", 1), ("fwdbwd", 1), ("ckpt", 2)):
+        seen["fwd"].clear(), seen["bwd"].clear()
+        make_step(arm, op, leaves, cu, torch.ones(5, 1, 2))()
+        assert seen["fwd"] == [True] * n_fwd, op
+        assert seen["bwd"] == ([] if op == "fwd" else [True]), op
+    assert not inside
+
+
+def test_torch_arm_runs_under_pytorch_implementation():
+    import cake_ops
+    from cake_ops.bench.arms import load_arms
+
+    (torch_arm,) = load_arms(["torch"], torch.device("cpu"))
+    assert torch_arm.skip is None and torch_arm.slow
+    assert torch_arm.context is cake_ops.pytorch_implementation
+    cake_arm, fla_arm = load_arms(["cake", "fla"], torch.device("cpu"))
+    assert cake_arm.context is None and "needs a CUDA device" in fla_arm.skip
