@@ -1,0 +1,734 @@
+// Chunk-local gradients of the GDN backward ("B3", bwd_local.h): per (chunk slot, q/k
+// head) and each of its G value heads, cake_ops/pytorch/gdn.py local_gradients on the
+// tapes of the two walks. Notation (docs/math.md, Chunked form), C = 64 tokens, K = V = 128,
+// D_ij = e^(gcum_i - gcum_j) (i >= j, else 0), eg = e^gcum, dte = e^(gl - gcum):
+//
+//   dq_gated = do S^T (the tape holds S^T: do @ h)   dq += scale eg dq_gated
+//   dP = do v_new^T,  P = scale (q k^T o D),  dPs = scale dP o D
+//   dq += dPs k,  dk += dPs^T q,  dk_decayed = v_new dS^T,  dk += dte dk_decayed
+//   dw = -dv_new S^T,  dA = (dw k^T) diag(beta eg) + (dv_new v^T) diag(beta)
+//   dXw = A^T dw,  dXu = A^T dv_new,  dL = -(A^T dA A^T).tril(-1)
+//   dkk = dL o beta_i D,  dk += (dkk + dkk^T) k + beta eg dXw,  dv = beta dXu
+//   dbeta = rowsum(dL o D o kk) + eg (dXw . k) + (dXu . v)
+//   dgcum = scale eg (dq_gated . q) + rowsum - colsum of (dP o P) and of (dL o D o kk beta_i)
+//           - dte (dk_decayed . k) + beta eg (dXw . k),  + dgl at the chunk's last token,
+//   dgl = sum_i dte_i (dk_decayed . k)_i + e^gl sum(dS o S);  dg = reverse cumsum of dgcum
+// then dq, dk summed over the value heads j = 0 .. G-1 in order (in registers) and taken
+// through the L2 norm's backward when use_qk_l2norm.
+//
+// Why it is as it is:
+// - One CTA of 8 warps per (slot, q/k head): q, k (normalised once into bf16 in shared
+//   memory), q k^T and k k^T (fp32, registers) are shared by the G value heads, and dq, dk
+//   accumulate over the group in registers in a fixed order: no atomics, no partial buffers.
+// - Warp w = (rb = w & 3, ch = w >> 2) owns rows 16 rb .. 16 rb + 15 of every chunk-row
+//   product, columns 64 ch .. of the 64x128 ones (dq, dk, dw, dXw, dXu, ...) and 32 ch .. of
+//   the 64x64 ones (dP, dA, dL, q k^T, k k^T): the same rows in both, so row quantities
+//   (gates, row sums) line up, and the 64x64 tiles' elementwise work stays in registers.
+// - mma.sync m16n8k16 bf16 (fp32 accumulate) on operands staged by cp.async in
+//   shared memory as row-major bf16 tiles in the 16-byte XOR swizzle (swizzle.cuh): every
+//   product reads its operands with ldmatrix, .trans where the product needs the stored
+//   tile transposed (A^T, dPs^T, dkk^T as left operands; S^T, k, q, dw as right operands
+//   stored k-major); see warp_gemm. Padding tokens are zero-filled, so they contribute 0.
+// - dL = -(A^T dA A^T) is two 64x64x64 TF32 products (m16n8k8) on fp32 dA and A^T dA: dA
+//   feeds dbeta and dg through A twice, and bf16 there would cost ~2^-8 of them; A is
+//   bf16 already, so exact in TF32.
+// - Shared memory (223 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
+//   dS^T (32 KB each), A (8 KB), dw (16 KB), dPs / dkk (8 KB, in turn), dA / A^T dA (fp32,
+//   18 KB, in turn) and row vectors. The next value head's do, v_new, S^T, dS^T (96 KB) are
+//   requested as soon as the current head's first phase has read them, under the rest
+//   of its work (on the last head: the raw q, k rows for the norm's backward).
+// - Exponents are differences of chunk-local cumsums, selected to 0 above the diagonal
+//   (no inf, no NaN); row sums go through fixed shuffle trees and per-warp slots summed in
+//   a fixed order: the same bits run to run, and a document's bits do not depend on its
+//   neighbours.
+
+#include <cuda_bf16.h>
+
+#include "common/mma_sm80.cuh"
+#include "common/swizzle.cuh"
+#include "gdn/bwd_local.h"
+#include "gdn/chunks.cuh"
+#include "gdn/gdn.h"
+#include "gdn/plan.h"
+
+namespace cake {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int C = kGdnChunk;
+constexpr int D = kGdnHeadDim;
+static_assert(C == 64 && D == 128, "the tiling below is for 64-token chunks and head dim 128");
+
+// Shared memory (bytes). Tiles of 128 columns are rows of 16 chunks, of 64 columns rows of 8.
+constexpr int kRowTile = C * D * 2;  // 64 x 128 bf16
+constexpr int kQ = 0;
+constexpr int kK = kQ + kRowTile;
+constexpr int kDo = kK + kRowTile;    // do; on the last head (use_qk_l2norm) the raw q rows
+constexpr int kVn = kDo + kRowTile;   // v_new; then the raw k rows
+constexpr int kV = kVn + kRowTile;    // v; then dv staging
+constexpr int kDvn = kV + kRowTile;
+constexpr int kHT = kDvn + kRowTile;  // S^T 128 x 128
+constexpr int kDS = kHT + D * D * 2;  // dS^T 128 x 128
+constexpr int kA = kDS + D * D * 2;   // A 64 x 64
+constexpr int kDw = kA + C * C * 2;
+constexpr int kDPs = kDw + kRowTile;  // dPs, then dkk (64 x 64 bf16)
+constexpr int kFLd = 72;              // fp32 row stride of dA / A^T dA (conflict-free TF32 fragments)
+constexpr int kDA = kDPs + C * C * 2;
+constexpr int kVec = kDA + C * kFLd * 4;
+// Row vectors (floats).
+constexpr int kVGl2 = 0;          // gcum log2(e)
+constexpr int kVEg = kVGl2 + C;   // e^gcum
+constexpr int kVDte = kVEg + C;   // e^(gl - gcum)
+constexpr int kVBeta = kVDte + C;
+constexpr int kVFloor = kVBeta + C;  // 1: g < kGdnGateFloor
+constexpr int kVRq = kVFloor + C;
+constexpr int kVRk = kVRq + C;
+constexpr int kVRowA = kVRk + C;       // [2][64] partial row sums per column half ch
+constexpr int kVRowT = kVRowA + 2 * C;
+constexpr int kVRowP = kVRowT + 2 * C;
+constexpr int kVRowL = kVRowP + 2 * C;
+constexpr int kVRowB = kVRowL + 2 * C;
+constexpr int kVRowXw = kVRowB + 2 * C;
+constexpr int kVRowXu = kVRowXw + 2 * C;
+constexpr int kVColP = kVRowXu + 2 * C;  // [4][64] partial column sums per row block rb
+constexpr int kVColL = kVColP + 4 * C;
+constexpr int kVDot = kVColL + 4 * C;    // [8] per warp: sum(dS^T o S^T)
+constexpr int kVGamma = kVDot + 8;
+constexpr int kVecFloats = kVGamma + 8;
+constexpr int kSmemBytes = kVec + kVecFloats * 4;
+static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA an SM");
+static_assert(kDA % 16 == 0 && kVec % 16 == 0, "aligned regions");
+
+__device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_t i) {
+  if (dtype == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(beta)[i]);
+  return static_cast<const float*>(beta)[i];
+}
+
+__device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
+// The bf16 pair at (row, col), col even, of a swizzled tile of RC chunks a row.
+template <int RC>
+__device__ __forceinline__ float2 ld_pair(const unsigned char* tile, int row, int col) {
+  return unpack_bf16(*reinterpret_cast<const uint32_t*>(tile + swizzle_rows_offset<RC>(row, col >> 3) + (col & 7) * 2));
+}
+
+template <int RC>
+__device__ __forceinline__ void st_pair(unsigned char* tile, int row, int col, float lo, float hi) {
+  *reinterpret_cast<uint32_t*>(tile + swizzle_rows_offset<RC>(row, col >> 3) + (col & 7) * 2) = mma::pack_bf16(lo, hi);
+}
+
+// One bf16 of a 64-column tile as the bits of an fp32 (exact, hence a TF32 operand as it is).
+__device__ __forceinline__ uint32_t ld_bf16_bits(const unsigned char* tile, int row, int col) {
+  const uint32_t w = *reinterpret_cast<const uint16_t*>(tile + swizzle_rows_offset<8>(row, col >> 3) + (col & 7) * 2);
+  return w << 16;
+}
+
+__device__ __forceinline__ uint32_t to_tf32(float x) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+}
+
+// acc (16 x 8 NT, rows m0.., columns n0..) += L R over k = k_begin .. k_end - 1 (multiples
+// of 16), L and R bf16 tiles in shared memory (swizzled rows of ARC / BRC chunks):
+//   kAT = false: L stored [m][k] (row m0 + r), ldmatrix; lane l gives the row address of
+//     matrix l / 8 = mi: (m0 + 8 (mi & 1) + l % 8, chunk k0 / 8 + mi / 2) -> a0 .. a3.
+//   kAT = true: L = S^T with S stored [k][m], ldmatrix.trans (lane 4 gid + t4 receives
+//     S[2 t4 .. +1][gid] = L[gid][2 t4 .. +1], the a0 layout): matrix mi at
+//     (k0 + 8 (mi >> 1) + l % 8, chunk m0 / 8 + (mi & 1)).
+//   kBT = false: R = S^T with S stored [n][k]: ldmatrix gives S[gid][2 t4 ..] = R[2 t4 ..][gid]
+//     (b0); matrices (n, k) = (nb, k0), (nb, k0 + 8), (nb + 8, k0), (nb + 8, k0 + 8):
+//     row nb + 8 (mi >> 1) + l % 8, chunk k0 / 8 + (mi & 1); r0, r1: n-tile nb, r2, r3: nb + 8.
+//   kBT = true: R stored [k][n]: ldmatrix.trans gives R[2 t4 ..][gid] (b0); matrices
+//     (k, n) = (k0, nb), (k0 + 8, nb), (k0, nb + 8), (k0 + 8, nb + 8):
+//     row k0 + 8 (mi & 1) + l % 8, chunk nb / 8 + (mi >> 1).
+template <int NT, bool kAT, bool kBT, int ARC, int BRC>
+__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], uint32_t a_base, uint32_t b_base, int m0, int n0,
+                                          int k_begin, int k_end, int lane) {
+  const int mi = lane >> 3, r8 = lane & 7;
+#pragma unroll 2
+  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
+    uint32_t a[4];
+    if constexpr (kAT)
+      mma::ldmatrix_x4_trans(a, a_base + swizzle_rows_offset<ARC>(k0 + (mi >> 1) * 8 + r8, (m0 >> 3) + (mi & 1)));
+    else
+      mma::ldmatrix_x4(a, a_base + swizzle_rows_offset<ARC>(m0 + (mi & 1) * 8 + r8, (k0 >> 3) + (mi >> 1)));
+#pragma unroll
+    for (int np = 0; np < NT / 2; ++np) {
+      const int nb = n0 + 16 * np;
+      uint32_t b[4];
+      if constexpr (kBT)
+        mma::ldmatrix_x4_trans(b, b_base + swizzle_rows_offset<BRC>(k0 + (mi & 1) * 8 + r8, (nb >> 3) + (mi >> 1)));
+      else
+        mma::ldmatrix_x4(b, b_base + swizzle_rows_offset<BRC>(nb + (mi >> 1) * 8 + r8, (k0 >> 3) + (mi & 1)));
+      mma::mma_bf16(acc[2 * np], a, b[0], b[1]);
+      mma::mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void zero(float (&acc)[NT][4]) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.f;
+}
+
+// Row sums of this warp's 16 rows (rs[v]: row m0 + gid + 8 v, this lane's columns) to
+// dst[row]: the 4 lanes of a row, xor 1 then 2.
+__device__ __forceinline__ void store_row_sums(float (&rs)[2], float* dst, int m0, int lane) {
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    rs[v] += __shfl_xor_sync(0xffffffffu, rs[v], 1);
+    rs[v] += __shfl_xor_sync(0xffffffffu, rs[v], 2);
+  }
+  if ((lane & 3) == 0) {
+    dst[m0 + (lane >> 2)] = rs[0];
+    dst[m0 + (lane >> 2) + 8] = rs[1];
+  }
+}
+
+// Column sums over this warp's 16 rows (cs[nt][c]: column n0 + 8 nt + 2 t4 + c) to
+// dst[column]: the 8 lanes of a column, xor 4, 8, 16.
+template <int NT>
+__device__ __forceinline__ void store_col_sums(float (&cs)[NT][2], float* dst, int n0, int lane) {
+#pragma unroll
+  for (int n = 0; n < NT; ++n)
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float x = cs[n][c];
+      x += __shfl_xor_sync(0xffffffffu, x, 4);
+      x += __shfl_xor_sync(0xffffffffu, x, 8);
+      x += __shfl_xor_sync(0xffffffffu, x, 16);
+      cs[n][c] = x;
+    }
+  if (lane < 4) {
+#pragma unroll
+    for (int n = 0; n < NT; ++n) {
+      dst[n0 + 8 * n + 2 * lane] = cs[n][0];
+      dst[n0 + 8 * n + 2 * lane + 1] = cs[n][1];
+    }
+  }
+}
+
+// ROWS rows of RC 16-byte chunks from base + r * stride (elements) into a swizzled tile;
+// rows r >= valid are zero-filled (and read nothing).
+template <int RC, int ROWS>
+__device__ __forceinline__ void load_tile(unsigned char* tile, const __nv_bfloat16* base, int64_t stride, int valid) {
+#pragma unroll
+  for (int it = 0; it < ROWS * RC / kThreads; ++it) {
+    const int idx = it * kThreads + static_cast<int>(threadIdx.x);
+    const int r = idx / RC, c = idx % RC;
+    const bool real = r < valid;
+    mma::cp_async_16(mma::smem_addr(tile + swizzle_rows_offset<RC>(r, c)), base + (real ? r : 0) * stride + c * 8,
+                     real);
+  }
+}
+
+// Rows r < valid of a swizzled 64 x 128 bf16 tile to base + r * stride, 16-byte stores.
+__device__ __forceinline__ void store_tile(const unsigned char* tile, __nv_bfloat16* base, int64_t stride, int valid) {
+#pragma unroll
+  for (int it = 0; it < C * 16 / kThreads; ++it) {
+    const int idx = it * kThreads + static_cast<int>(threadIdx.x);
+    const int r = idx >> 4, c = idx & 15;
+    if (r < valid)
+      mma::st_global_16(base + r * stride + c * 8, *reinterpret_cast<const uint4*>(tile + swizzle_rows_offset<16>(r, c)));
+  }
+}
+
+// The per-head loads that the previous head's later phases overlap: do, v_new, S^T, dS^T.
+__device__ __forceinline__ void load_head_first(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv,
+                                                int64_t t0, int len) {
+  const int64_t tape = slot * p.HV + hv;
+  load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.dout) + (t0 * p.HV + hv) * D, p.HV * D, len);
+  load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.v_new) + tape * C * D, D, len);
+  load_tile<16, D>(smem + kHT, static_cast<const __nv_bfloat16*>(p.h) + tape * D * D, D, D);
+  load_tile<16, D>(smem + kDS, static_cast<const __nv_bfloat16*>(p.ds) + tape * D * D, D, D);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwdLocalArgs p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  float* vec = reinterpret_cast<float*>(smem + kVec);
+
+  const int H = static_cast<int>(p.H);
+  const int64_t slot = blockIdx.x / H;
+  const int h = static_cast<int>(blockIdx.x % H);
+  if (slot >= p.chunk_offsets[p.N]) return;  // an unused slot
+  const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
+  const ChunkPos pos = find_chunk(p.chunk_offsets, cu, p.N, slot);
+  const int64_t t0 = pos.t0;
+  const int len = pos.len;
+  const int64_t HV = p.HV;
+  const int G = static_cast<int>(HV / p.H);
+  const float scale = p.scale;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, t4 = lane & 3;
+  const int rb = warp & 3, ch = warp >> 2;
+  const int m0 = 16 * rb;  // this warp's rows
+  const int n0 = 64 * ch;  // its columns of the 64 x 128 products
+  const int j0 = 32 * ch;  // and of the 64 x 64 ones
+
+  const uint32_t sQ = mma::smem_addr(smem + kQ), sK = mma::smem_addr(smem + kK), sDo = mma::smem_addr(smem + kDo),
+                 sVn = mma::smem_addr(smem + kVn), sV = mma::smem_addr(smem + kV),
+                 sDvn = mma::smem_addr(smem + kDvn), sHT = mma::smem_addr(smem + kHT),
+                 sDS = mma::smem_addr(smem + kDS), sA = mma::smem_addr(smem + kA), sDw = mma::smem_addr(smem + kDw),
+                 sDPs = mma::smem_addr(smem + kDPs);
+  const float* gl2 = vec + kVGl2;
+  const float* eg = vec + kVEg;
+  const float* dte = vec + kVDte;
+  const float* bet = vec + kVBeta;
+  float* fA = reinterpret_cast<float*>(smem + kDA);
+
+  // Prologue: q, k and the first value head's do, v_new, S^T, dS^T in flight.
+  const int64_t hv_first = static_cast<int64_t>(h) * G;
+  load_tile<16, C>(smem + kQ, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H + h) * D, p.H * D, len);
+  load_tile<16, C>(smem + kK, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H + h) * D, p.H * D, len);
+  load_head_first(p, smem, slot, hv_first, t0, len);
+  mma::cp_async_commit();
+
+  float dq[8][4], dk[8][4];  // rows m0.., columns n0.., summed over the group
+  zero(dq);
+  zero(dk);
+
+  for (int j = 0; j < G; ++j) {
+    const int64_t hv = hv_first + j;
+    const int64_t tape = slot * HV + hv;
+    load_tile<16, C>(smem + kV, static_cast<const __nv_bfloat16*>(p.v) + (t0 * HV + hv) * D, HV * D, len);
+    load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + tape * C * D, D, len);
+    load_tile<8, C>(smem + kA, static_cast<const __nv_bfloat16*>(p.a) + tape * C * C, C, C);
+    mma::cp_async_commit();
+    if (tid < C) {  // the gates of this head
+      const int i = tid;
+      const float* gc = p.gcum + tape * C;
+      const float gci = gc[i], gl = gc[C - 1];
+      const bool real = i < len;
+      const int64_t idx = (t0 + i) * HV + hv;
+      vec[kVGl2 + i] = gci * mma::kLog2e;
+      vec[kVEg + i] = expf(gci);
+      vec[kVDte + i] = expf(gl - gci);
+      vec[kVBeta + i] = real ? load_beta(p.beta, p.beta_dtype, idx) : 0.f;
+      vec[kVFloor + i] = real && p.g[idx] < kGdnGateFloor ? 1.f : 0.f;
+      if (i == 0) vec[kVGamma] = expf(gl);
+    }
+    mma::cp_async_wait_all();
+    __syncthreads();
+
+    if (j == 0 && p.use_qk_l2norm) {  // normalise q, k in place (bf16), keep 1 / |x| per row
+      const int r = tid >> 2, part = tid & 3;
+#pragma unroll
+      for (int t = 0; t < 2; ++t) {
+        unsigned char* tile = smem + (t ? kK : kQ);
+        uint4 w[4];
+        float ss = 0.f;
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          w[c4] = *reinterpret_cast<const uint4*>(tile + swizzle_rows_offset<16>(r, 4 * part + c4));
+          const uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = unpack_bf16(u[e]);
+            ss = fmaf(f.x, f.x, ss);
+            ss = fmaf(f.y, f.y, ss);
+          }
+        }
+        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+        const float rs = rsqrtf(ss + kL2NormEps);
+#pragma unroll
+        for (int c4 = 0; c4 < 4; ++c4) {
+          uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float2 f = unpack_bf16(u[e]);
+            u[e] = mma::pack_bf16(f.x * rs, f.y * rs);
+          }
+          *reinterpret_cast<uint4*>(tile + swizzle_rows_offset<16>(r, 4 * part + c4)) = make_uint4(u[0], u[1], u[2], u[3]);
+        }
+        if (part == 0) vec[(t ? kVRk : kVRq) + r] = rs;
+      }
+      __syncthreads();
+    }
+
+    // ---- Phase 1a: the products over V (and K) of the staged tiles.
+    {  // dq_gated = do S^T: dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
+      float acc[8][4];
+      zero(acc);
+      warp_gemm<8, false, true, 16, 16>(acc, sDo, sHT, m0, n0, 0, D, lane);
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float f = scale * eg[i];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 x = ld_pair<16>(smem + kQ, i, n0 + 8 * nt + 2 * t4);
+          rs[v] = fmaf(acc[nt][2 * v], x.x, fmaf(acc[nt][2 * v + 1], x.y, rs[v]));
+          dq[nt][2 * v] = fmaf(f, acc[nt][2 * v], dq[nt][2 * v]);
+          dq[nt][2 * v + 1] = fmaf(f, acc[nt][2 * v + 1], dq[nt][2 * v + 1]);
+        }
+        rs[v] *= f;
+      }
+      store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
+    }
+    {  // dw = -dv_new S^T, to shared memory (bf16)
+      float acc[8][4];
+      zero(acc);
+      warp_gemm<8, false, true, 16, 16>(acc, sDvn, sHT, m0, n0, 0, D, lane);
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int v = 0; v < 2; ++v)
+          st_pair<16>(smem + kDw, m0 + gid + 8 * v, n0 + 8 * nt + 2 * t4, -acc[nt][2 * v], -acc[nt][2 * v + 1]);
+    }
+    {  // dk_decayed = v_new dS^T: dk += dte dk_decayed; t = dte (dk_decayed . k)
+      float acc[8][4];
+      zero(acc);
+      warp_gemm<8, false, true, 16, 16>(acc, sVn, sDS, m0, n0, 0, D, lane);
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float f = dte[i];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 x = ld_pair<16>(smem + kK, i, n0 + 8 * nt + 2 * t4);
+          rs[v] = fmaf(acc[nt][2 * v], x.x, fmaf(acc[nt][2 * v + 1], x.y, rs[v]));
+          dk[nt][2 * v] = fmaf(f, acc[nt][2 * v], dk[nt][2 * v]);
+          dk[nt][2 * v + 1] = fmaf(f, acc[nt][2 * v + 1], dk[nt][2 * v + 1]);
+        }
+        rs[v] *= f;
+      }
+      store_row_sums(rs, vec + kVRowT + C * ch, m0, lane);
+    }
+    {  // sum(dS o S): the two tiles share one layout, so element for element
+      const uint4* a = reinterpret_cast<const uint4*>(smem + kHT);
+      const uint4* b = reinterpret_cast<const uint4*>(smem + kDS);
+      float s = 0.f;
+#pragma unroll
+      for (int it = 0; it < D * D / 8 / kThreads; ++it) {
+        const uint4 x = a[it * kThreads + tid], y = b[it * kThreads + tid];
+        const uint32_t xu[4] = {x.x, x.y, x.z, x.w}, yu[4] = {y.x, y.y, y.z, y.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 fx = unpack_bf16(xu[e]), fy = unpack_bf16(yu[e]);
+          s = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, s));
+        }
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+      if (lane == 0) vec[kVDot + warp] = s;
+    }
+    {  // dP = do v_new^T: d gcum += rowsum - colsum (dP o P); dPs = scale dP o D (bf16)
+      float acc[4][4];
+      zero(acc);
+      warp_gemm<4, false, false, 16, 16>(acc, sDo, sVn, m0, j0, 0, D, lane);
+      float qk[4][4];  // q k^T, formed again per head (cheaper than 16 registers held throughout)
+      zero(qk);
+      warp_gemm<4, false, false, 16, 16>(qk, sQ, sK, m0, j0, 0, D, lane);
+      float rs[2] = {0.f, 0.f}, cs[4][2] = {};
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float gi = gl2[i];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          float ps[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int jj = j0 + 8 * nt + 2 * t4 + c;
+            const float d = i >= jj ? mma::exp2_ftz(gi - gl2[jj]) : 0.f;
+            const float dp = acc[nt][2 * v + c];
+            const float dpp = dp * (scale * qk[nt][2 * v + c] * d);
+            rs[v] += dpp;
+            cs[nt][c] += dpp;
+            ps[c] = scale * dp * d;
+          }
+          st_pair<8>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, ps[0], ps[1]);
+        }
+      }
+      store_row_sums(rs, vec + kVRowP + C * ch, m0, lane);
+      store_col_sums<4>(cs, vec + kVColP + C * rb, j0, lane);
+    }
+    __syncthreads();  // dw, dPs complete
+
+    // ---- Phase 1b.
+    {  // dA = beta_j (eg_j (dw k^T) + dv_new v^T), fp32
+      float acc[4][4], dvv[4][4];
+      zero(acc);
+      zero(dvv);
+      warp_gemm<4, false, false, 16, 16>(acc, sDw, sK, m0, j0, 0, D, lane);
+      warp_gemm<4, false, false, 16, 16>(dvv, sDvn, sV, m0, j0, 0, D, lane);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {
+        const int jj = j0 + 8 * nt + 2 * t4;
+        const float b0 = bet[jj], b1 = bet[jj + 1], e0 = eg[jj], e1 = eg[jj + 1];
+#pragma unroll
+        for (int v = 0; v < 2; ++v) {
+          const int i = m0 + gid + 8 * v;
+          *reinterpret_cast<float2*>(fA + i * kFLd + jj) =
+              make_float2(b0 * fmaf(e0, acc[nt][2 * v], dvv[nt][2 * v]), b1 * fmaf(e1, acc[nt][2 * v + 1], dvv[nt][2 * v + 1]));
+        }
+      }
+    }
+    // dq += dPs k (dPs lower: columns <= the rows); dk += dPs^T q (rows >= the columns).
+    warp_gemm<8, false, true, 8, 16>(dq, sDPs, sK, m0, n0, 0, m0 + 16, lane);
+    warp_gemm<8, true, true, 8, 16>(dk, sDPs, sQ, m0, n0, m0, C, lane);
+    {  // dXw = A^T dw (A unit lower: rows >= the columns): dk += beta eg dXw; row sums dXw . k
+      float acc[8][4];
+      zero(acc);
+      warp_gemm<8, true, true, 8, 16>(acc, sA, sDw, m0, n0, m0, C, lane);
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float f = bet[i] * eg[i];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 x = ld_pair<16>(smem + kK, i, n0 + 8 * nt + 2 * t4);
+          rs[v] = fmaf(acc[nt][2 * v], x.x, fmaf(acc[nt][2 * v + 1], x.y, rs[v]));
+          dk[nt][2 * v] = fmaf(f, acc[nt][2 * v], dk[nt][2 * v]);
+          dk[nt][2 * v + 1] = fmaf(f, acc[nt][2 * v + 1], dk[nt][2 * v + 1]);
+        }
+      }
+      store_row_sums(rs, vec + kVRowXw + C * ch, m0, lane);
+    }
+    // dXu = A^T dv_new: row sums dXu . v; dv = beta dXu, staged over v once every warp has
+    // read v (dv_new v^T above), so held in registers across the barrier.
+    float dxu[8][4];
+    zero(dxu);
+    warp_gemm<8, true, true, 8, 16>(dxu, sA, sDvn, m0, n0, m0, C, lane);
+    {
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 x = ld_pair<16>(smem + kV, i, n0 + 8 * nt + 2 * t4);
+          rs[v] = fmaf(dxu[nt][2 * v], x.x, fmaf(dxu[nt][2 * v + 1], x.y, rs[v]));
+        }
+      }
+      store_row_sums(rs, vec + kVRowXu + C * ch, m0, lane);
+    }
+    __syncthreads();  // dA complete; do, v_new, S^T, dS^T, v read
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int i = m0 + gid + 8 * v;
+      const float b = bet[i];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+        st_pair<16>(smem + kV, i, n0 + 8 * nt + 2 * t4, b * dxu[nt][2 * v], b * dxu[nt][2 * v + 1]);
+    }
+
+    if (j + 1 < G) {
+      load_head_first(p, smem, slot, hv + 1, t0, len);
+      mma::cp_async_commit();
+    } else if (p.use_qk_l2norm) {  // the raw rows for the norm's backward
+      load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H + h) * D, p.H * D, len);
+      load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H + h) * D, p.H * D, len);
+      mma::cp_async_commit();
+    }
+
+    // ---- Phase 2: dL = -(A^T dA A^T).tril(-1), TF32 (m16n8k8: a0 (gid, t4), a1 (gid + 8, t4),
+    // a2 (gid, t4 + 4), a3 (gid + 8, t4 + 4); b0 (k = t4, n = gid), b1 (k = t4 + 4, n = gid)).
+    {
+      float x[4][4];  // X = A^T dA: X_ij = sum_{m >= i} A_mi dA_mj, rows m0.., columns j0..
+      zero(x);
+      const unsigned char* tA = smem + kA;
+#pragma unroll 2
+      for (int mm = m0; mm < C; mm += 8) {
+        const uint32_t a[4] = {ld_bf16_bits(tA, mm + t4, m0 + gid), ld_bf16_bits(tA, mm + t4, m0 + gid + 8),
+                               ld_bf16_bits(tA, mm + t4 + 4, m0 + gid), ld_bf16_bits(tA, mm + t4 + 4, m0 + gid + 8)};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int jj = j0 + 8 * nt + gid;
+          mma::mma_tf32(x[nt], a, to_tf32(fA[(mm + t4) * kFLd + jj]), to_tf32(fA[(mm + t4 + 4) * kFLd + jj]));
+        }
+      }
+      __syncthreads();  // dA read by every warp; dv staged
+      store_tile(smem + kV, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV + hv) * D, HV * D, len);
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int v = 0; v < 2; ++v)
+          *reinterpret_cast<float2*>(fA + (m0 + gid + 8 * v) * kFLd + j0 + 8 * nt + 2 * t4) =
+              make_float2(x[nt][2 * v], x[nt][2 * v + 1]);
+      __syncthreads();  // X complete
+    }
+    {  // Y = X A^T (Y_ij = sum_{m <= j} X_im A_jm), wanted for i > j only: m < min(j, i) + 1
+      float y[4][4];
+      zero(y);
+      const unsigned char* tA = smem + kA;
+      const int m_end = j0 < m0 + 16 ? min(j0 + 32, m0 + 16) : 0;
+#pragma unroll 2
+      for (int mm = 0; mm < m_end; mm += 8) {
+        const uint32_t a[4] = {to_tf32(fA[(m0 + gid) * kFLd + mm + t4]), to_tf32(fA[(m0 + gid + 8) * kFLd + mm + t4]),
+                               to_tf32(fA[(m0 + gid) * kFLd + mm + t4 + 4]),
+                               to_tf32(fA[(m0 + gid + 8) * kFLd + mm + t4 + 4])};
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          const int jj = j0 + 8 * nt + gid;
+          mma::mma_tf32(y[nt], a, ld_bf16_bits(tA, jj, mm + t4), ld_bf16_bits(tA, jj, mm + t4 + 4));
+        }
+      }
+      // dL = -Y below the diagonal: dbeta += rowsum(dL o D o kk); d gcum += rowsum - colsum of
+      // that times beta_i; dkk = dL beta_i D (bf16, over dPs, which phase 1b has read).
+      float kk[4][4];  // k k^T, formed again per head
+      zero(kk);
+      warp_gemm<4, false, false, 16, 16>(kk, sK, sK, m0, j0, 0, D, lane);
+      float rb_s[2] = {0.f, 0.f}, rl_s[2] = {0.f, 0.f}, cs[4][2] = {};
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float gi = gl2[i], bi = bet[i];
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt) {
+          float dkk[2];
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const int jj = j0 + 8 * nt + 2 * t4 + c;
+            const bool lower = i > jj;
+            const float d = lower ? mma::exp2_ftz(gi - gl2[jj]) : 0.f;
+            const float dl = lower ? -y[nt][2 * v + c] : 0.f;
+            const float dldk = dl * d * kk[nt][2 * v + c];
+            const float dll = dldk * bi;
+            rb_s[v] += dldk;
+            rl_s[v] += dll;
+            cs[nt][c] += dll;
+            dkk[c] = dl * bi * d;
+          }
+          st_pair<8>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, dkk[0], dkk[1]);
+        }
+      }
+      store_row_sums(rb_s, vec + kVRowB + C * ch, m0, lane);
+      store_row_sums(rl_s, vec + kVRowL + C * ch, m0, lane);
+      store_col_sums<4>(cs, vec + kVColL + C * rb, j0, lane);
+    }
+    __syncthreads();  // dkk and every row / column sum complete
+
+    // dk += dkk k + dkk^T k (dkk strictly lower).
+    warp_gemm<8, false, true, 8, 16>(dk, sDPs, sK, m0, n0, 0, m0 + 16, lane);
+    warp_gemm<8, true, true, 8, 16>(dk, sDPs, sK, m0, n0, m0, C, lane);
+
+    if (warp == 0) {  // d gcum, dbeta per token; dg = reverse cumsum of d gcum
+      float dgc[2], dbt[2], tsum = 0.f;
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int i = lane + 32 * s;
+        const bool real = i < len;
+        const float xw = vec[kVRowXw + i] + vec[kVRowXw + C + i];
+        const float tt = vec[kVRowT + i] + vec[kVRowT + C + i];
+        const float colp = ((vec[kVColP + i] + vec[kVColP + C + i]) + vec[kVColP + 2 * C + i]) + vec[kVColP + 3 * C + i];
+        const float coll = ((vec[kVColL + i] + vec[kVColL + C + i]) + vec[kVColL + 2 * C + i]) + vec[kVColL + 3 * C + i];
+        float d = vec[kVRowA + i] + vec[kVRowA + C + i];
+        d += (vec[kVRowP + i] + vec[kVRowP + C + i]) - colp;
+        d -= tt;
+        d += (vec[kVRowL + i] + vec[kVRowL + C + i]) - coll;
+        d += bet[i] * eg[i] * xw;
+        dgc[s] = real ? d : 0.f;
+        dbt[s] = (vec[kVRowB + i] + vec[kVRowB + C + i]) + eg[i] * xw + (vec[kVRowXu + i] + vec[kVRowXu + C + i]);
+        tsum += real ? tt : 0.f;
+      }
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) tsum += __shfl_xor_sync(0xffffffffu, tsum, o);
+      float dot = 0.f;
+#pragma unroll
+      for (int w = 0; w < 8; ++w) dot += vec[kVDot + w];
+      const float dgl = tsum + dot * vec[kVGamma];
+#pragma unroll
+      for (int s = 0; s < 2; ++s)
+        if (lane + 32 * s == len - 1) dgc[s] += dgl;
+      // Suffix sums over the lanes (Hillis-Steele, shuffle down), the upper half first.
+#pragma unroll
+      for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+        for (int s = 0; s < 2; ++s) {
+          const float y = __shfl_down_sync(0xffffffffu, dgc[s], o);
+          if (lane + o < 32) dgc[s] += y;
+        }
+      }
+      dgc[0] += __shfl_sync(0xffffffffu, dgc[1], 0);
+#pragma unroll
+      for (int s = 0; s < 2; ++s) {
+        const int i = lane + 32 * s;
+        if (i < len) {
+          const int64_t idx = (t0 + i) * HV + hv;
+          p.dg[idx] = vec[kVFloor + i] != 0.f ? 0.f : dgc[s];
+          if (p.beta_dtype == DType::kBFloat16) static_cast<__nv_bfloat16*>(p.dbeta)[idx] = __float2bfloat16(dbt[s]);
+          else static_cast<float*>(p.dbeta)[idx] = dbt[s];
+        }
+      }
+    }
+    __syncthreads();  // the head's shared memory may be refilled
+  }
+
+  // dq, dk through the L2 norm's backward: d_raw = (d - x (d . x)) r, x = raw r (fp32).
+  if (p.use_qk_l2norm) {
+    mma::cp_async_wait_all();
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      float(&d)[8][4] = t ? dk : dq;
+      const unsigned char* raw = smem + (t ? kVn : kDo);
+      const float* r = vec + (t ? kVRk : kVRq);
+      float rs[2] = {0.f, 0.f};
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float ri = r[i];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 x = ld_pair<16>(raw, i, n0 + 8 * nt + 2 * t4);
+          rs[v] = fmaf(d[nt][2 * v], x.x * ri, fmaf(d[nt][2 * v + 1], x.y * ri, rs[v]));
+        }
+      }
+      store_row_sums(rs, vec + (t ? kVRowT : kVRowA) + C * ch, m0, lane);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      float(&d)[8][4] = t ? dk : dq;
+      const unsigned char* raw = smem + (t ? kVn : kDo);
+      const float* r = vec + (t ? kVRk : kVRq);
+      const float* dot = vec + (t ? kVRowT : kVRowA);
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float ri = r[i], dx = dot[i] + dot[C + i];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 x = ld_pair<16>(raw, i, n0 + 8 * nt + 2 * t4);
+          d[nt][2 * v] = (d[nt][2 * v] - x.x * ri * dx) * ri;
+          d[nt][2 * v + 1] = (d[nt][2 * v + 1] - x.y * ri * dx) * ri;
+        }
+      }
+    }
+  }
+  // Stage over q, k (read by no one now) and store.
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int i = m0 + gid + 8 * v, col = n0 + 8 * nt + 2 * t4;
+      st_pair<16>(smem + kQ, i, col, dq[nt][2 * v], dq[nt][2 * v + 1]);
+      st_pair<16>(smem + kK, i, col, dk[nt][2 * v], dk[nt][2 * v + 1]);
+    }
+  __syncthreads();
+  store_tile(smem + kQ, static_cast<__nv_bfloat16*>(p.dq) + (t0 * p.H + h) * D, p.H * D, len);
+  store_tile(smem + kK, static_cast<__nv_bfloat16*>(p.dk) + (t0 * p.H + h) * D, p.H * D, len);
+}
+
+}  // namespace
+
+cudaError_t gdn_bwd_local_launch(const GdnBwdLocalArgs& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.T == 0 || p.H == 0) return cudaSuccess;
+  const int64_t blocks = gdn_fwd_chunk_slots(p.T, p.N) * p.H;
+  cudaError_t err = cudaFuncSetAttribute(gdn_bwd_local_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  gdn_bwd_local_kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cake

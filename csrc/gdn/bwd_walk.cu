@@ -1,0 +1,432 @@
+// The GDN backward's reverse walk of the state gradient (bwd_walk.h; the reverse loop of
+// cake_ops/pytorch/gdn.py walk_tapes). One CTA of 8 warps per (document, value head).
+//
+// Layout: the CTA holds dS^T (V rows x K columns, fp32) in registers across the walk, as
+// m16n8k16 accumulators: warp w holds value rows 16 w .. 16 w + 15, all 128 head dims;
+// s[4 nt + e] is row 16 w + gid + 8 (e >> 1), column 8 nt + 2 t4 + (e & 1) (the forward
+// walk's S^T layout, fwd_walk_state.cuh). Per chunk, in the transposed form:
+//   dv_new^T = (dS^T K^T) diag(tail) + do^T P          tail_j = e^(gl - gcum_j) / |k_j|
+//   X        = (dv_new^T a) diag(decay)                 decay_m = -e^gcum_m / |k_m|
+//   dS^T     = e^gl dS^T + (do^T diag(outq)) Q + X K     outq_i = scale e^gcum_i / |q_i|
+// (Q, K the raw bf16 rows; X K = -dv_new^T W with W = a diag(e^gcum) k^, associated the
+// other way: no W tile, the per-token factors applied in fp32 on the accumulator.)
+//
+// Why it is as it is (a first, correctness-first version; see the report of B2):
+// - mma.sync m16n8k16 bf16 -> fp32 only (no wgmma, no warp specialisation). Every
+//   product's left operand is either an accumulator repacked in registers (dS^T, dv_new^T,
+//   X: the accumulator-to-A-fragment trick of mma_sm80.cuh) or do^T from ldmatrix.trans;
+//   every right operand comes from a swizzled shared tile by ldmatrix (.trans where the
+//   contraction runs down the tile's rows).
+// - Per chunk all warps first form P (bf16, 64 x 64, warp w a 16 x 32 block) and the gate
+//   vectors; then each warp runs its 16 value rows' chain alone (no barrier inside it).
+// - The chunks are double-buffered with cp.async; rows past the document's end are zero
+//   filled (never the next document's values: 0 * inf = NaN), and every per-token factor
+//   of a row past the end is selected to 0.
+// - Exponents are differences of chunk-local cumsums clamped to <= 0 (masked elements are
+//   selected away, never multiplied by 0); absolute ones (e^gcum) are <= 1.
+// - The tapes go out through shared staging as 16-byte stores: the dS tape (16 rows of
+//   256 bytes a warp), the dv_new tape (64 token rows x the warp's 32 bytes).
+// - The walk over a chunk range with a given start gradient is one function
+//   (walk_chunks), for the segmented walks that come later.
+
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "common/mma_sm80.cuh"
+#include "common/swizzle.cuh"
+#include "common/varlen.cuh"
+#include "gdn/bwd_walk.h"
+#include "gdn/gdn.h"
+
+namespace cake {
+namespace {
+
+constexpr int kThreads = 256;  // 8 warps
+constexpr int kC = kGdnChunk;
+constexpr int kD = kGdnHeadDim;
+
+// Shared memory (bytes). Two stages of a chunk's loads, then single buffers.
+constexpr int kTile128 = kC * kD * 2;  // 64 rows x 128 bf16 (256-byte rows, swizzle_rows_offset<16>)
+constexpr int kTile64 = kC * kC * 2;   // 64 rows x 64 bf16 (128-byte rows, swizzle_rows_offset<8>)
+constexpr int kSQ = 0;
+constexpr int kSK = kSQ + kTile128;
+constexpr int kSDo = kSK + kTile128;
+constexpr int kSA = kSDo + kTile128;
+constexpr int kSG = kSA + kTile64;   // gcum, 64 floats
+constexpr int kSL = kSG + kC * 4;    // log2 inverse norms: q rows, then k rows (128 floats)
+constexpr int kStageBytes = kSL + 2 * kC * 4;
+constexpr int kP = 2 * kStageBytes;                  // P, 64 x 64 bf16
+constexpr int kGv = kP + kTile64;                    // gate vectors (floats)
+constexpr int kGvTail = 0, kGvDecay = 64, kGvOutQ = 128, kGvGamma = 192;
+constexpr int kStS = kGv + 256 * 4;                  // dS tape staging: 8 warps x 16 rows x 256 bytes
+constexpr int kStSWarp = 16 * kD * 2;
+constexpr int kStV = kStS + 8 * kStSWarp;            // dv_new tape staging: 64 rows x 128 bf16
+constexpr int kSmemBytes = kStV + kTile128;
+static_assert(kStageBytes % 128 == 0 && kP % 128 == 0 && kStS % 128 == 0 && kStV % 128 == 0, "tile alignment");
+static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+
+__device__ __forceinline__ int swz16(int row, int chunk) { return swizzle_rows_offset<16>(row, chunk); }
+__device__ __forceinline__ int swz8(int row, int chunk) { return swizzle_rows_offset<8>(row, chunk); }
+
+__device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// Accumulator n-tiles 2 j, 2 j + 1 (acc[8 j .. 8 j + 7]) as the A fragment of k-step j.
+template <int N>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&d)[N], int j) {
+  a[0] = mma::pack_bf16(d[8 * j + 0], d[8 * j + 1]);
+  a[1] = mma::pack_bf16(d[8 * j + 2], d[8 * j + 3]);
+  a[2] = mma::pack_bf16(d[8 * j + 4], d[8 * j + 5]);
+  a[3] = mma::pack_bf16(d[8 * j + 6], d[8 * j + 7]);
+}
+
+__device__ __forceinline__ void mma4(float* d, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  mma::mma_bf16(*reinterpret_cast<float(*)[4]>(d), a, b0, b1);
+}
+
+// Where a document's chunks are.
+struct DocPos {
+  int64_t start, end;  // tokens
+  int64_t first_slot;
+};
+
+// Issue the cp.async loads of chunk c (local index) into stage `st`. Rows past the
+// document's end: zeros (the source address is clamped to the chunk's first row).
+__device__ __forceinline__ void issue_chunk(const GdnBwdWalkArgs& p, unsigned char* st, const DocPos& d, int c,
+                                            int hv, int h) {
+  const int tid = threadIdx.x;
+  const int64_t t0 = d.start + static_cast<int64_t>(c) * kC;
+  const int64_t left = d.end - t0;
+  const int len = left < kC ? static_cast<int>(left) : kC;
+  const int64_t slot = d.first_slot + c;
+  const __nv_bfloat16* q = static_cast<const __nv_bfloat16*>(p.q);
+  const __nv_bfloat16* k = static_cast<const __nv_bfloat16*>(p.k);
+  const __nv_bfloat16* dout = static_cast<const __nv_bfloat16*>(p.dout);
+  const uint32_t sbase = mma::smem_addr(st);
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {  // 64 rows x 16 chunks, 256 threads
+    const int idx = tid + kThreads * it, r = idx >> 4, ch = idx & 15;
+    const bool real = r < len;
+    const int64_t t = t0 + (real ? r : 0);
+    const int off = swz16(r, ch);
+    mma::cp_async_16(sbase + kSQ + off, q + (t * p.H + h) * kD + ch * 8, real);
+    mma::cp_async_16(sbase + kSK + off, k + (t * p.H + h) * kD + ch * 8, real);
+    mma::cp_async_16(sbase + kSDo + off, dout + (t * p.HV + hv) * kD + ch * 8, real);
+  }
+  const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a) + (slot * p.HV + hv) * kC * kC;
+#pragma unroll
+  for (int it = 0; it < 2; ++it) {  // 64 rows x 8 chunks
+    const int idx = tid + kThreads * it, r = idx >> 3, ch = idx & 7;
+    mma::cp_async_16(sbase + kSA + swz8(r, ch), a + r * kC + ch * 8, true);
+  }
+  if (tid < 16) {
+    mma::cp_async_16(sbase + kSG + tid * 16, p.gcum + (slot * p.HV + hv) * kC + tid * 4, true);
+  } else if (tid < 48 && p.qk_lrn != nullptr) {
+    const int i = tid - 16;  // 32 chunks: q's 64 values, then k's
+    mma::cp_async_16(sbase + kSL + i * 16, p.qk_lrn + (slot * p.H + h) * 2 * kC + i * 4, true);
+  }
+}
+
+// Per chunk, by the whole CTA: the gate vectors (threads 0..63) and P (warp w: rows
+// 16 (w & 3) .., columns 32 (w >> 2) ..), from the landed stage.
+__device__ __forceinline__ void form_chunk(const unsigned char* st, unsigned char* smem, int len, float log2_scale) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, t4 = lane & 3, mi = lane >> 3, r8 = lane & 7;
+  const float* gs = reinterpret_cast<const float*>(st + kSG);
+  const float* lrq = reinterpret_cast<const float*>(st + kSL);
+  const float* lrk = lrq + kC;
+  float* gv = reinterpret_cast<float*>(smem + kGv);
+  if (tid < kC) {
+    const float gj = gs[tid], gl = gs[kC - 1];
+    const bool real = tid < len;
+    gv[kGvTail + tid] = real ? mma::exp2_ftz(fmaf(fminf(gl - gj, 0.f), mma::kLog2e, lrk[tid])) : 0.f;
+    gv[kGvDecay + tid] = real ? -mma::exp2_ftz(fmaf(gj, mma::kLog2e, lrk[tid])) : 0.f;
+    gv[kGvOutQ + tid] = real ? mma::exp2_ftz(fmaf(gj, mma::kLog2e, log2_scale + lrq[tid])) : 0.f;
+    if (tid == 0) gv[kGvGamma] = mma::exp2_ftz(gl * mma::kLog2e);
+  }
+
+  // P = scale tril(q^ k^T * e^(gcum_i - gcum_j)): the raw product times
+  // 2^((gcum_i - gcum_j) log2 e + log2 scale + lrq_i + lrk_j), masked by select.
+  const int rb = warp & 3, cb = warp >> 2;
+  // Blocks wholly above the diagonal (columns 32.. of rows < 32: warps 4, 5) are never
+  // read: the product do^T P skips them (chain_chunk, step 3).
+  if (cb == 1 && rb <= 1) return;
+  const uint32_t sq = mma::smem_addr(st + kSQ), sk = mma::smem_addr(st + kSK);
+  float pacc[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) pacc[i] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    uint32_t a[4];
+    mma::ldmatrix_x4(a, sq + swz16(16 * rb + 8 * (mi & 1) + r8, 2 * ks + (mi >> 1)));
+#pragma unroll
+    for (int jp = 0; jp < 2; ++jp) {
+      uint32_t b[4];
+      mma::ldmatrix_x4(b, sk + swz16(32 * cb + 16 * jp + 8 * (mi >> 1) + r8, 2 * ks + (mi & 1)));
+      mma4(pacc + 8 * jp, a, b[0], b[1]);
+      mma4(pacc + 8 * jp + 4, a, b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int i = 16 * rb + gid + 8 * hh;
+    const float gi = gs[i], rowc = log2_scale + lrq[i];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int j = 32 * cb + 8 * nt + 2 * t4 + c;
+        const float f = mma::exp2_ftz(fmaf(fminf(gi - gs[j], 0.f), mma::kLog2e, rowc + lrk[j]));
+        float& x = pacc[4 * nt + 2 * hh + c];
+        x = j <= i && i < len ? x * f : 0.f;
+      }
+    }
+  }
+  const uint32_t sp = mma::smem_addr(smem + kP);
+#pragma unroll
+  for (int kb = 0; kb < 2; ++kb) {  // 16 x 16 blocks: columns 32 cb + 16 kb ..
+    uint32_t r[4];
+    acc_to_a(r, pacc, kb);
+    mma::stmatrix_x4(sp + swz8(16 * rb + 8 * (mi & 1) + r8, 4 * cb + 2 * kb + (mi >> 1)), r);
+  }
+}
+
+// One chunk of one warp's chain (value rows 16 warp ..): the tapes of chunk slot `slot`
+// (len real tokens) and s updated to the gradient at the chunk's start.
+__device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsigned char* st, unsigned char* smem,
+                                            float (&s)[64], int64_t slot, int hv, int len) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t4 = lane & 3, mi = lane >> 3, r8 = lane & 7;
+  const uint32_t sq = mma::smem_addr(st + kSQ), sk = mma::smem_addr(st + kSK);
+  const uint32_t sdo = mma::smem_addr(st + kSDo), sa = mma::smem_addr(st + kSA);
+  const uint32_t sp = mma::smem_addr(smem + kP);
+  const float* gv = reinterpret_cast<const float*>(smem + kGv);
+
+  // (1) dS^T in bf16: the A fragments of U = dS^T K^T, and the dS tape (this warp's 16
+  //     rows v of [v][k], staged with stmatrix, 16-byte stores of whole 256-byte rows).
+  uint32_t sfrag[8][4];
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) acc_to_a(sfrag[ks], s, ks);
+  {
+    unsigned char* stage = smem + kStS + warp * kStSWarp;
+    const uint32_t sst = mma::smem_addr(stage);
+#pragma unroll
+    for (int ks = 0; ks < 8; ++ks) mma::stmatrix_x4(sst + swz16(8 * (mi & 1) + r8, 2 * ks + (mi >> 1)), sfrag[ks]);
+    __syncwarp();
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.dS) + ((slot * p.HV + hv) * kD + 16 * warp) * kD;
+#pragma unroll
+    for (int it = 0; it < 8; ++it) {
+      const int idx = lane + 32 * it, r = idx >> 4, ch = idx & 15;
+      const uint4 v = *reinterpret_cast<const uint4*>(stage + swz16(r, ch));
+      mma::st_global_16(out + r * kD + ch * 8, v);
+    }
+  }
+
+  // (2) U = dS^T K^T (16 x 64): B[k][j] = K[j][k], rows j of the K tile (ldmatrix).
+  float u[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) u[i] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      uint32_t b[4];
+      mma::ldmatrix_x4(b, sk + swz16(16 * jp + 8 * (mi >> 1) + r8, 2 * ks + (mi & 1)));
+      mma4(u + 8 * jp, sfrag[ks], b[0], b[1]);
+      mma4(u + 8 * jp + 4, sfrag[ks], b[2], b[3]);
+    }
+  }
+
+  // (3) dv_new^T = U diag(tail) + do^T P. do^T fragments: ldmatrix.trans of the do tile
+  //     (rows = tokens i = k of the product, columns = this warp's v); B[i][j] = P[i][j]
+  //     by ldmatrix.trans of the P tile.
+  uint32_t dofrag[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    mma::ldmatrix_x4_trans(dofrag[ks], sdo + swz16(16 * ks + 8 * (mi >> 1) + r8, 2 * warp + (mi & 1)));
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const float2 f = *reinterpret_cast<const float2*>(gv + kGvTail + 8 * nt + 2 * t4);
+    u[4 * nt + 0] *= f.x;
+    u[4 * nt + 1] *= f.y;
+    u[4 * nt + 2] *= f.x;
+    u[4 * nt + 3] *= f.y;
+  }
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int jp = 0; jp <= ks; ++jp) {  // P's 16 x 16 block (ks, jp) is zero for jp > ks (not even stored)
+      uint32_t b[4];
+      mma::ldmatrix_x4_trans(b, sp + swz8(16 * ks + 8 * (mi & 1) + r8, 2 * jp + (mi >> 1)));
+      mma4(u + 8 * jp, dofrag[ks], b[0], b[1]);
+      mma4(u + 8 * jp + 4, dofrag[ks], b[2], b[3]);
+    }
+  }
+
+  // (4) dv_new^T in bf16 (tokens past the end are 0: zero rows of k and P, tail = 0):
+  //     the A fragments of X, and the dv_new tape ([t][v]: stmatrix.trans into this warp's
+  //     two 16-byte columns of the staging tile, then 64 rows x 32 bytes).
+  uint32_t dvfrag[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) acc_to_a(dvfrag[ks], u, ks);
+  {
+    const uint32_t sv = mma::smem_addr(smem + kStV);
+#pragma unroll
+    for (int ks = 0; ks < 4; ++ks)
+      mma::stmatrix_x4_trans(sv + swz16(16 * ks + 8 * (mi >> 1) + r8, 2 * warp + (mi & 1)), dvfrag[ks]);
+    __syncwarp();
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.dv_new) + (slot * p.HV + hv) * kC * kD;
+    uint4 v[4];
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int row = 16 * it + (lane >> 1);
+      v[it] = *reinterpret_cast<const uint4*>(smem + kStV + swz16(row, 2 * warp + (lane & 1)));
+    }
+#pragma unroll
+    for (int it = 0; it < 4; ++it) {
+      const int row = 16 * it + (lane >> 1);
+      const uint4 val = row < len ? v[it] : make_uint4(0u, 0u, 0u, 0u);
+      mma::st_global_16(out + row * kD + 16 * warp + 8 * (lane & 1), val);
+    }
+  }
+
+  // (5) X = (dv_new^T a) diag(decay) (16 x 64): B[j][m] = a[j][m], ldmatrix.trans of the a tile.
+  float x[32];
+#pragma unroll
+  for (int i = 0; i < 32; ++i) x[i] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t b[4];
+      mma::ldmatrix_x4_trans(b, sa + swz8(16 * ks + 8 * (mi & 1) + r8, 2 * np + (mi >> 1)));
+      mma4(x + 8 * np, dvfrag[ks], b[0], b[1]);
+      mma4(x + 8 * np + 4, dvfrag[ks], b[2], b[3]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < 8; ++nt) {
+    const float2 f = *reinterpret_cast<const float2*>(gv + kGvDecay + 8 * nt + 2 * t4);
+    x[4 * nt + 0] *= f.x;
+    x[4 * nt + 1] *= f.y;
+    x[4 * nt + 2] *= f.x;
+    x[4 * nt + 3] *= f.y;
+  }
+  uint32_t xfrag[4][4];
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) acc_to_a(xfrag[ks], x, ks);
+
+  // (6) do^T diag(outq): the do^T fragments scaled per token (fp32, rounded once more).
+  //     Register r of dofrag[ks] holds tokens 16 ks + 8 (r >> 1) + 2 t4 (+1).
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 f = *reinterpret_cast<const float2*>(gv + kGvOutQ + 16 * ks + 8 * (r >> 1) + 2 * t4);
+      const uint32_t w = dofrag[ks][r];
+      dofrag[ks][r] = mma::pack_bf16(__uint_as_float(w << 16) * f.x, __uint_as_float(w & 0xffff0000u) * f.y);
+    }
+  }
+
+  // (7) dS^T = e^gl dS^T + (do^T diag(outq)) Q + X K: B[i][k] = Q[i][k] (K[m][k]),
+  //     ldmatrix.trans of the Q (K) tile.
+  const float gamma = gv[kGvGamma];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] *= gamma;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      uint32_t b[4];
+      const int off = swz16(16 * ks + 8 * (mi & 1) + r8, 2 * np + (mi >> 1));
+      mma::ldmatrix_x4_trans(b, sq + off);
+      mma4(s + 8 * np, dofrag[ks], b[0], b[1]);
+      mma4(s + 8 * np + 4, dofrag[ks], b[2], b[3]);
+      mma::ldmatrix_x4_trans(b, sk + off);
+      mma4(s + 8 * np, xfrag[ks], b[0], b[1]);
+      mma4(s + 8 * np + 4, xfrag[ks], b[2], b[3]);
+    }
+  }
+}
+
+// The reverse walk over chunks c0 .. c1 - 1 of a document (local indices), from the last
+// to the first, with s the gradient at chunk c1 - 1's end (in the register layout above);
+// leaves s the gradient at chunk c0's start. Every thread of the CTA calls it alike.
+__device__ __forceinline__ void walk_chunks(const GdnBwdWalkArgs& p, unsigned char* smem, const DocPos& d, int c0,
+                                            int c1, int hv, int h, float (&s)[64]) {
+  const float log2_scale = log2f(p.scale);
+  if (c1 > c0) issue_chunk(p, smem + ((c1 - 1) & 1) * kStageBytes, d, c1 - 1, hv, h);
+  mma::cp_async_commit();
+  for (int c = c1 - 1; c >= c0; --c) {
+    unsigned char* st = smem + (c & 1) * kStageBytes;
+    if (c > c0) {  // chunk c - 1 into the other stage (freed by the barrier that ended chunk c + 1)
+      issue_chunk(p, smem + ((c - 1) & 1) * kStageBytes, d, c - 1, hv, h);
+      mma::cp_async_commit();
+      cp_async_wait_1();
+    } else {
+      mma::cp_async_wait_all();
+    }
+    __syncthreads();  // chunk c has landed (every thread's copies)
+    const int64_t t0 = d.start + static_cast<int64_t>(c) * kC;
+    const int len = d.end - t0 < kC ? static_cast<int>(d.end - t0) : kC;
+    form_chunk(st, smem, len, log2_scale);
+    __syncthreads();  // P and the gate vectors are in
+    chain_chunk(p, st, smem, s, d.first_slot + c, hv, len);
+    __syncthreads();  // the stage, P, gate vectors and staging are free again
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) gdn_bwd_walk_kernel(const GdnBwdWalkArgs p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int HV = static_cast<int>(p.HV);
+  const int64_t n = blockIdx.x / HV;
+  const int hv = static_cast<int>(blockIdx.x % HV);
+  const int h = hv / (HV / static_cast<int>(p.H));
+  const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
+  DocPos d;
+  d.start = cu[n];
+  d.end = cu[n + 1];
+  d.first_slot = p.chunk_offsets[n];
+  const int nch = p.chunk_offsets[n + 1] - p.chunk_offsets[n];
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int gid = lane >> 2, t4 = lane & 3;
+  if (p.qk_lrn == nullptr) {  // unit norms: log2 1 = 0 in both stages, never loaded
+    for (int i = threadIdx.x; i < 2 * 2 * kC; i += kThreads)
+      reinterpret_cast<float*>(smem + (i >> 7) * kStageBytes + kSL)[i & 127] = 0.f;
+  }
+
+  // dS^T from dht: s[4 nt + e] = dht[k][v], v = 16 warp + gid + 8 (e >> 1), k = 8 nt + 2 t4 + (e & 1).
+  const int v = 16 * warp + gid;
+  const int64_t mat = (n * p.HV + hv) * kD * kD;
+  float s[64];
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int kd = 8 * nt + 2 * t4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      s[4 * nt + e] = p.dht != nullptr ? p.dht[mat + (kd + (e & 1)) * kD + v + 8 * (e >> 1)] : 0.f;
+  }
+
+  walk_chunks(p, smem, d, 0, nch, hv, h, s);
+
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int kd = 8 * nt + 2 * t4;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p.dh0[mat + (kd + (e & 1)) * kD + v + 8 * (e >> 1)] = s[4 * nt + e];
+  }
+}
+
+}  // namespace
+
+cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  cudaError_t err = cudaFuncSetAttribute(gdn_bwd_walk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  if (err != cudaSuccess) return err;
+  const int64_t blocks = p.N * p.HV;
+  gdn_bwd_walk_kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace cake

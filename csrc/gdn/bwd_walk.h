@@ -1,0 +1,58 @@
+#pragma once
+
+// The GDN backward's reverse walk of the state gradient ("B2"; docs/math.md, "Chunked
+// form"; cake_ops/pytorch/gdn.py walk_tapes, the reverse loop). Torch-free: the binding
+// (gdn/binding_bwd_walk.cpp, to be merged into gdn/binding.cpp) is the torch side.
+//
+// Per (document n, value head hv), one CTA, walking the document's chunks from its last
+// to its first, with dS (K x V fp32, the gradient of the state at the current chunk's
+// end) starting as dht[n, hv] (zeros without dht). Per chunk, with q^, k^ the chunk's
+// (optionally L2-normalised) rows, gcum its chunk-local cumsum, gl = gcum[63], P =
+// scale tril(q^ k^T * e^(gcum_i - gcum_j)), a = A diag(beta) (the prep's workspace):
+//   dS tape[slot, hv, v, k] = dS[k, v]                                  (bf16, transposed)
+//   dv_new = P^T do + diag(e^(gl - gcum)) k^ dS                         -> dv_new tape (bf16)
+//   dS     = (scale e^gcum q^)^T do + e^gl dS - (a diag(e^gcum) k^)^T dv_new
+// and finally dh0[n, hv] = dS. An empty document writes dh0 = dht (or zeros) and no tape.
+//
+//   q, k           [T, H, 128] bf16 (raw rows)       do [T, HV, 128] bf16, HV = G * H
+//   a              [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot
+//   gcum           [NC, HV, 64] fp32 (pads: the last real value)
+//   qk_lrn         [NC, H, 2, 64] fp32, log2 of the q then k rows' inverse norms, or
+//                  nullptr (unit norms: the rows are used as given)
+//   dht            [N, HV, 128, 128] fp32 or nullptr (zeros)
+//   chunk_offsets  [N + 1] int32, the first chunk slot of each document (plan)
+//   cu_seqlens     [N + 1] int32 / int64 (cu_int64)
+//   dS             [NC, HV, 128, 128] bf16 out: [slot, hv, v, k] = dS_end[k, v]
+//   dv_new         [NC, HV, 64, 128] bf16 out: rows past the document's end are 0
+//   dh0            [N, HV, 128, 128] fp32 out
+// Every element of every used slot (< chunk_offsets[N]) is written; later slots are not.
+// Grid N * HV CTAs (static: no host sync). Deterministic (no atomics; a document's bits
+// do not depend on its neighbours).
+
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace cake {
+
+struct GdnBwdWalkArgs {
+  const void* q;
+  const void* k;
+  const void* dout;  // do
+  const void* a;
+  const float* gcum;
+  const float* qk_lrn;  // nullptr: unit norms
+  const float* dht;     // nullptr: zeros
+  const int32_t* chunk_offsets;
+  const void* cu_seqlens;
+  bool cu_int64;
+  void* dS;      // bf16 [NC, HV, 128, 128]
+  void* dv_new;  // bf16 [NC, HV, 64, 128]
+  float* dh0;    // [N, HV, 128, 128]
+  int64_t T, N, H, HV;
+  float scale;  // finite, > 0
+};
+
+cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
+
+}  // namespace cake
