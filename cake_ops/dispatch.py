@@ -81,6 +81,15 @@ def short_conv_fwd_cuda_refusal(x) -> str | None:
     return _kernels_unavailable()
 
 
-def short_conv_bwd_cuda_refusal(x) -> str | None:
-    """None when a CUDA short-convolution backward takes this call, else why not."""
-    return _kernels_unavailable() or "the CUDA short-convolution backward is not written yet"
+def short_conv_bwd_cuda_refusal(dy, x) -> str | None:
+    """None when the CUDA short-convolution backward (csrc/short_conv) takes this call
+    (inputs validated by ``checks.check_short_conv``; it takes every dtype and width the
+    op does, as the forward), else why not. ``dy`` is the gradient of y: the kernel takes
+    it in y's shape and dtype, on x's device, as autograd passes it."""
+    why = _kernels_unavailable()
+    if why is not None:
+        return why
+    if dy.shape != x.shape or dy.dtype != x.dtype or dy.device != x.device:
+        return (f"the CUDA backward takes dy as x: {tuple(x.shape)} {x.dtype} on {x.device}, got "
+                f"{tuple(dy.shape)} {dy.dtype} on {dy.device}")
+    return None

@@ -5,8 +5,12 @@ its neighbour's tokens), with an optional initial conv state [N, D, W-1] holding
 W-1 inputs before each document. y[t] = act(bias + sum_i weight[:, i] x[t - (W-1) + i]).
 
 Which implementation runs a call is decided by ``cake_ops.dispatch``: on a Hopper GPU
-the forward runs the CUDA kernel of ``csrc/short_conv/``; elsewhere, and for the backward
-for now, the PyTorch implementation ``cake_ops.pytorch.short_conv``. Fake kernels:
+the forward and the backward run the CUDA kernels of ``csrc/short_conv/`` (fwd.cu,
+bwd.cu); elsewhere the PyTorch implementation ``cake_ops.pytorch.short_conv``. The
+kernels read the weight in fp32 or x's dtype, the bias in the weight's and the initial
+state in fp32 or x's dtype: other dtypes (and a bias of another dtype than the weight, with
+that weight) are widened to fp32 for them, and the backward's gradients are cast back to
+the dtypes the op promises. Fake kernels:
 ``meta/short_conv.py``. The math: docs/math.md, Short convolution.
 """
 
@@ -44,13 +48,22 @@ def _short_conv_fwd_cuda(x, weight, bias, cu_seqlens, initial_state, silu):
         return pytorch_short_conv.short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
     from .. import build
 
-    if bias is not None and bias.dtype != weight.dtype:
-        bias = bias.to(weight.dtype)  # the kernel reads bias in the weight's dtype
-    if weight.dtype not in (torch.float32, x.dtype):
+    weight, bias, initial_state = _kernel_dtypes(x, weight, bias, initial_state)
+    return build.load().short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
+
+
+def _kernel_dtypes(x, weight, bias, initial_state):
+    """weight, bias and initial_state in the dtypes the CUDA kernels read: the weight in fp32
+    unless it has x's dtype (and the bias its dtype), the bias in the weight's dtype, the
+    initial state in fp32 unless it has x's dtype. Every cast is exact: only fp16 and bf16
+    widen to fp32."""
+    if weight.dtype not in (torch.float32, x.dtype) or (bias is not None and bias.dtype != weight.dtype):
         weight = weight.float()
+    if bias is not None:
+        bias = bias.to(weight.dtype)
     if initial_state is not None and initial_state.dtype not in (torch.float32, x.dtype):
         initial_state = initial_state.float()
-    return build.load().short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
+    return weight, bias, initial_state
 
 
 @torch.library.custom_op("cake::short_conv_bwd", mutates_args=())
@@ -67,8 +80,25 @@ def short_conv_bwd(
     dtypes of x, weight, bias (weight's if None) and initial_state (x's if None)."""
     T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
     check_cu_seqlens_values(cu_seqlens, T)
-    # dispatch.short_conv_bwd_cuda_refusal: no CUDA backward yet, every device runs this.
     return pytorch_short_conv.short_conv_bwd(dy, x, weight, bias, cu_seqlens, initial_state, silu)
+
+
+@short_conv_bwd.register_kernel("cuda")
+def _short_conv_bwd_cuda(dy, x, weight, bias, cu_seqlens, initial_state, silu):
+    T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
+    check_cu_seqlens_values(cu_seqlens, T)
+    if dispatch.short_conv_bwd_cuda_refusal(dy, x) is not None:
+        return pytorch_short_conv.short_conv_bwd(dy, x, weight, bias, cu_seqlens, initial_state, silu)
+    from .. import build
+
+    k_weight, k_bias, k_state = _kernel_dtypes(x, weight, bias, initial_state)
+    dx, dweight, dbias, dinit = build.load().short_conv_bwd(dy, x, k_weight, k_bias, cu_seqlens, k_state, silu)
+    return (
+        dx,
+        dweight.to(weight.dtype),
+        dbias.to(bias.dtype if bias is not None else weight.dtype),
+        dinit.to(initial_state.dtype if initial_state is not None else x.dtype),
+    )
 
 
 def _setup_context(ctx, inputs, output):
