@@ -29,6 +29,7 @@
 #include <cuda_fp16.h>
 
 #include "common/varlen.cuh"
+#include "short_conv/elements.cuh"
 #include "short_conv/short_conv.h"
 
 namespace cake {
@@ -46,39 +47,7 @@ static_assert(kThreads / 32 % kRunsPerTile == 0, "every CTA holds whole tiles");
 constexpr int kEpilogueThreads = 256;
 constexpr int kReduceLanes = kEpilogueThreads / 32;  // warps of a reduce block, one tile lane each
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// Weight, bias, the initial state and the small outputs are touched a handful of times per
-// thread: a runtime dtype switch there keeps the instantiations to (x dtype) x W x width.
-__device__ __forceinline__ float load_float(const void* p, int64_t i, DType dtype) {
-  if (dtype == DType::kFloat16) return __half2float(static_cast<const __half*>(p)[i]);
-  if (dtype == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-
-__device__ __forceinline__ void store_float(void* p, int64_t i, DType dtype, float v) {
-  if (dtype == DType::kFloat16) static_cast<__half*>(p)[i] = __float2half_rn(v);
-  else if (dtype == DType::kBFloat16) static_cast<__nv_bfloat16*>(p)[i] = __float2bfloat16_rn(v);
-  else static_cast<float*>(p)[i] = v;
-}
-
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
+using namespace short_conv_elements;
 
 // The forward's pre-activation of one channel: bias, then the taps oldest first, by fmaf
 // (the order of fwd.cu, so the recomputed value is the forward's). halo[j]: the input at

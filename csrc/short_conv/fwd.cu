@@ -11,6 +11,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "short_conv/elements.cuh"
 #include "short_conv/short_conv.h"
 
 namespace cake {
@@ -23,34 +24,7 @@ constexpr int kTokensPerThread = 16;
 constexpr int kRowsInFlight = 4;
 static_assert(kTokensPerThread % kRowsInFlight == 0, "runs are whole load groups");
 
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) {
-  return __float2bfloat16_rn(v);
-}
-
-// Weight, bias and initial state are read a handful of times per thread, so a
-// runtime dtype switch there is free and keeps the instantiations to
-// (x dtype) x W x vector width.
-__device__ __forceinline__ float load_float(const void* p, int64_t i, DType dtype) {
-  if (dtype == DType::kFloat16) return __half2float(static_cast<const __half*>(p)[i]);
-  if (dtype == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i]);
-  return static_cast<const float*>(p)[i];
-}
-
-template <typename T, int VEC>
-struct alignas(sizeof(T) * VEC) Pack {
-  T v[VEC];
-};
+using namespace short_conv_elements;
 
 struct ShortConvFwdParams {
   const void* x;
