@@ -69,9 +69,18 @@ def gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale: float) -> str | No
     return None
 
 
-def gdn_bwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale: float) -> str | None:
-    """None when a CUDA GDN backward takes this call, else why not."""
-    return _kernels_unavailable() or "the CUDA GDN backward is not written yet"
+def gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale: float) -> str | None:
+    """None when the CUDA GDN backward (csrc/gdn) takes this call (inputs validated by
+    ``checks.check_gdn`` and ``check_gdn_grads``), else why not: the forward's rule, and
+    the gradients in the dtypes autograd passes them (do as o: bf16; dht fp32)."""
+    why = gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale)
+    if why is not None:
+        return why
+    if do.dtype != torch.bfloat16:
+        return f"the CUDA backward takes the gradient of o in bf16 (o's dtype), got {do.dtype}"
+    if dht is not None and dht.dtype != torch.float32:
+        return f"the CUDA backward takes the gradient of the final state in fp32, got {dht.dtype}"
+    return None
 
 
 def short_conv_fwd_cuda_refusal(x) -> str | None:

@@ -4,8 +4,8 @@ The ops work in the packed layout (q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, 
 ``cu_seqlens`` [N+1] on the device). ``cake::gdn_fwd`` carries the autograd formula, so
 a compiled model can call ``torch.ops.cake.gdn_fwd`` directly. Which implementation
 runs a call is decided by ``cake_ops.dispatch`` (the CUDA kernels of ``csrc/gdn/`` on
-Hopper for K = V = 128 and bf16 q/k/v, else the chunked PyTorch algorithm of
-``cake_ops.pytorch.gdn``). Fake kernels: ``meta/gdn.py``. The math: docs/math.md.
+Hopper for K = V = 128 and bf16 q/k/v, forward and backward, else the chunked
+PyTorch algorithm of ``cake_ops.pytorch.gdn``). Fake kernels: ``meta/gdn.py``. The math: docs/math.md.
 """
 
 from __future__ import annotations
@@ -91,7 +91,9 @@ def gdn_bwd(
     use_qk_l2norm: bool,
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunked GDN backward: recomputes the forward from the inputs, then walks dS back.
+    """Chunked GDN backward: recomputes the forward's tapes from the inputs (the light
+    save mode: nothing but the inputs is saved), walks dS back, then the chunk-local
+    gradients.
 
     Returns (dq, dk, dv, dg, dbeta, dh0) with the dtypes of (q, k, v, g, beta) and
     dh0 [N, HV, K, V] fp32 (the gradient of the initial state, zero or not).
@@ -100,9 +102,25 @@ def gdn_bwd(
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)
     check_cu_seqlens_values(cu_seqlens, T)
-    effective_deterministic(deterministic)
-    # dispatch.gdn_bwd_cuda_refusal: no CUDA backward yet, every device runs this.
+    effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+
+
+@gdn_bwd.register_kernel("cuda")
+def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_gdn_grads(do, dht, T, HV, V, N, K)
+    check_scale(scale)
+    deterministic = effective_deterministic(deterministic)
+    if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale) is not None:
+        check_cu_seqlens_values(cu_seqlens, T)
+        return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+    from .. import build
+
+    # Recomputes the forward's tapes with the forward's own plan (its first kernel checks
+    # cu_seqlens's values), then walks dS back and forms the chunk-local gradients.
+    return build.load().gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                deterministic)
 
 
 def _setup_context(ctx, inputs, output):

@@ -1,7 +1,8 @@
-// Torch binding of the GDN forward: argument checks, outputs and the one workspace
-// allocation, device and stream; the plan (gdn/plan.h) and the math live in the
-// torch-free launchers. These ops are internal: the public cake:: ops (with fake kernels
-// and autograd) call them.
+// Torch binding of the GDN kernels: the forward (gdn_fwd), the backward (gdn_bwd), and
+// their stages alone for tests (gdn_fwd_prep, gdn_bwd_tapes, gdn_bwd_walk, gdn_bwd_local):
+// argument checks, outputs and the one workspace allocation, device and stream; the plan
+// (gdn/plan.h) and the math live in the torch-free launchers. These ops are internal: the
+// public cake:: ops (with fake kernels and autograd) call them.
 
 #include <cmath>
 #include <cstdint>
@@ -15,6 +16,8 @@
 #include <torch/library.h>
 
 #include "common/binding.h"
+#include "gdn/bwd_local.h"
+#include "gdn/bwd_walk.h"
 #include "gdn/gdn.h"
 #include "gdn/plan.h"
 
@@ -84,9 +87,11 @@ struct GdnFwdCall {
   GdnFwdArgs args{};
 };
 
+// outputs = false (the backward's recompute): v and the initial state are read, but no o
+// or final state is allocated.
 GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
-                           const std::optional<at::Tensor>& initial_state, double scale) {
+                           const std::optional<at::Tensor>& initial_state, double scale, bool outputs = true) {
   GdnFwdCall c;
   c.plan = plan;
   c.q = dense16(q);
@@ -98,8 +103,10 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
   c.workspace = at::empty({plan.ws.bytes}, q.options().dtype(at::kByte));
   if (v != nullptr) {
     if (initial_state) c.h0 = dense16(*initial_state);
-    c.o = at::empty({plan.T, plan.HV, kGdnHeadDim}, q.options().dtype(at::kBFloat16));
-    c.final_state = at::empty({plan.N, plan.HV, kGdnHeadDim, kGdnHeadDim}, q.options().dtype(at::kFloat));
+    if (outputs) {
+      c.o = at::empty({plan.T, plan.HV, kGdnHeadDim}, q.options().dtype(at::kBFloat16));
+      c.final_state = at::empty({plan.N, plan.HV, kGdnHeadDim, kGdnHeadDim}, q.options().dtype(at::kFloat));
+    }
   }
   GdnFwdArgs& a = c.args;
   a.q = c.q.data_ptr();
@@ -118,10 +125,38 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
   return c;
 }
 
-// The whole forward: (o, final_state). segment_chunks: -1 lets the plan choose the cut
+// The checks of a forward walk's further arguments (gdn_fwd and gdn_bwd_tapes, which
+// walks as the forward does) and the call's plan: backward = true adds the backward's
+// workspace pieces (gdn_bwd_make_plan). segment_chunks: -1 lets the plan choose the cut
 // grid (fixed for deterministic, shape- and SM-count-dependent otherwise); >= 0 forces
 // one (0: uncut). value_splits: -1 lets the plan choose the walks' value-column split
 // (from the shapes and SM count), 1 or 2 forces it. Forcing is for tests and tuning.
+GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor& q,
+                            const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
+                            bool deterministic, int64_t segment_chunks, int64_t value_splits, bool backward) {
+  // Part of the eligibility rule (cake_ops/dispatch.py): the walk takes log2(scale).
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ", scale);
+  if (initial_state) {
+    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({s.N, s.HV, kGdnHeadDim, kGdnHeadDim}), op,
+                ": initial_state must be [N, HV, K, V] = [", s.N, ", ", s.HV, ", 128, 128], got ",
+                initial_state->sizes());
+    TORCH_CHECK(initial_state->scalar_type() == at::kFloat, op, ": initial_state must be float32, got ",
+                initial_state->scalar_type());
+    check_same_device(*initial_state, q, op, "initial_state", "q");
+  }
+  TORCH_CHECK(segment_chunks >= -1 && segment_chunks <= (1 << 20), op, ": segment_chunks must be -1 (the plan's "
+              "choice), 0 (uncut) or a cut grid in chunks, got ", segment_chunks);
+  TORCH_CHECK(value_splits == -1 || value_splits == 1 || value_splits == 2, op,
+              ": value_splits must be -1 (the plan's choice), 1 or 2, got ", value_splits);
+  int sm_count = 0;
+  const cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.device().index());
+  TORCH_CHECK(err == cudaSuccess, op, ": cannot read the SM count: ", cudaGetErrorString(err));
+  auto make_plan = backward ? gdn_bwd_make_plan : gdn_fwd_make_plan;
+  return make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count, static_cast<int>(segment_chunks),
+                   static_cast<int>(value_splits));
+}
+
+// The whole forward: (o, final_state); segment_chunks and value_splits as check_and_plan_walk says.
 std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                            const at::Tensor& g, const at::Tensor& beta,
                                            const at::Tensor& cu_seqlens,
@@ -129,30 +164,55 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
                                            bool use_qk_l2norm, bool deterministic, int64_t segment_chunks,
                                            int64_t value_splits) {
   const GdnShapes s = check_gdn_inputs("gdn_fwd", q, k, &v, g, beta, cu_seqlens);
-  // Part of the eligibility rule (cake_ops/dispatch.py): the walk takes log2(scale).
-  TORCH_CHECK(std::isfinite(scale) && scale > 0, "gdn_fwd: scale must be finite and > 0, got ", scale);
-  if (initial_state) {
-    TORCH_CHECK(initial_state->sizes() == at::IntArrayRef({s.N, s.HV, kGdnHeadDim, kGdnHeadDim}),
-                "gdn_fwd: initial_state must be [N, HV, K, V] = [", s.N, ", ", s.HV, ", 128, 128], got ",
-                initial_state->sizes());
-    TORCH_CHECK(initial_state->scalar_type() == at::kFloat, "gdn_fwd: initial_state must be float32, got ",
-                initial_state->scalar_type());
-    check_same_device(*initial_state, q, "gdn_fwd", "initial_state", "q");
-  }
-  TORCH_CHECK(segment_chunks >= -1 && segment_chunks <= (1 << 20), "gdn_fwd: segment_chunks must be -1 (the plan's "
-              "choice), 0 (uncut) or a cut grid in chunks, got ", segment_chunks);
-  TORCH_CHECK(value_splits == -1 || value_splits == 1 || value_splits == 2,
-              "gdn_fwd: value_splits must be -1 (the plan's choice), 1 or 2, got ", value_splits);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  int sm_count = 0;
-  const cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.device().index());
-  TORCH_CHECK(err == cudaSuccess, "gdn_fwd: cannot read the SM count: ", cudaGetErrorString(err));
-  const GdnPlan plan = gdn_fwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
-                                         static_cast<int>(segment_chunks), static_cast<int>(value_splits));
+  const GdnPlan plan = check_and_plan_walk("gdn_fwd", s, q, initial_state, scale, use_qk_l2norm, deterministic,
+                                           segment_chunks, value_splits, /*backward=*/false);
   GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale);
   const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(launch_err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(launch_err));
   return {c.o, c.final_state};
+}
+
+// A piece of a call's workspace as a tensor view.
+at::Tensor workspace_piece(const at::Tensor& workspace, int64_t offset, at::ScalarType dtype, at::IntArrayRef shape) {
+  int64_t elems = 1;
+  for (const int64_t n : shape) elems *= n;
+  return workspace.narrow(0, offset, elems * static_cast<int64_t>(at::elementSize(dtype))).view(dtype).view(shape);
+}
+
+// The backward's forward-direction recompute (gdn.h gdn_bwd_tapes_launch; docs/kernels.md,
+// "Backward tapes"): the forward's plan, prep, summaries and chain, then the walk in tape
+// mode, for the same arguments as gdn_fwd (the same checks, the same plan). Returns views
+// of the one backward workspace (which also holds the reverse walk's dS and dv_new
+// tapes, not returned here): h [NC, HV, 128 (v), 128 (k)] bf16 (S^T at each chunk's
+// start), v_new [NC, HV, 64, 128] bf16 (rows past a document's end 0), a = A diag(beta)
+// and a_unit = A [NC, HV, 64, 64] bf16, gcum [NC, HV, 64] fp32, qk_lrn [NC, H, 2, 64]
+// fp32 (empty [0] without use_qk_l2norm), chunk_offsets [N + 1] int32; NC = ceil(T / 64)
+// + N. Slots from chunk_offsets[N] on are left unwritten.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_tapes(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+    const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
+    bool deterministic, int64_t segment_chunks, int64_t value_splits) {
+  const GdnShapes s = check_gdn_inputs("gdn_bwd_tapes", q, k, &v, g, beta, cu_seqlens);
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const GdnPlan plan = check_and_plan_walk("gdn_bwd_tapes", s, q, initial_state, scale, use_qk_l2norm,
+                                           deterministic, segment_chunks, value_splits, /*backward=*/true);
+  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
+  const cudaError_t err = gdn_bwd_tapes_launch(c.args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, "gdn_bwd_tapes: kernel launch failed: ", cudaGetErrorString(err));
+  const int64_t NC = plan.chunk_slots, HV = s.HV, D = kGdnHeadDim, C = kGdnChunk;
+  const GdnWorkspaceLayout& w = plan.ws;
+  at::Tensor chunk_offsets = workspace_piece(c.workspace, w.chunk_offsets, at::kInt, {s.N + 1});
+  if (s.N == 0) chunk_offsets.zero_();  // no document: the plan stage does not run
+  at::Tensor qk_lrn = use_qk_l2norm ? workspace_piece(c.workspace, w.qk_lrn, at::kFloat, {NC, s.H, 2, C})
+                                    : at::empty({0}, q.options().dtype(at::kFloat));
+  return {workspace_piece(c.workspace, w.h_tape, at::kBFloat16, {NC, HV, D, D}),
+          workspace_piece(c.workspace, w.v_new_tape, at::kBFloat16, {NC, HV, C, D}),
+          workspace_piece(c.workspace, w.a, at::kBFloat16, {NC, HV, C, C}),
+          workspace_piece(c.workspace, w.a_unit, at::kBFloat16, {NC, HV, C, C}),
+          workspace_piece(c.workspace, w.gcum, at::kFloat, {NC, HV, C}),
+          qk_lrn,
+          chunk_offsets};
 }
 
 // The prep stage alone: (a [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot,
@@ -174,12 +234,307 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd_prep: kernel launch failed: ", cudaGetErrorString(err));
   const int64_t NC = plan.chunk_slots;
   constexpr int64_t C = kGdnChunk;
-  auto piece = [&](int64_t offset, int64_t elems, at::ScalarType dtype, at::IntArrayRef shape) {
-    return c.workspace.narrow(0, offset, elems * at::elementSize(dtype)).view(dtype).view(shape);
-  };
-  return {piece(plan.ws.a, NC * s.HV * C * C, at::kBFloat16, {NC, s.HV, C, C}),
-          piece(plan.ws.gcum, NC * s.HV * C, at::kFloat, {NC, s.HV, C}),
-          piece(plan.ws.chunk_decay, NC * s.HV, at::kFloat, {NC, s.HV})};
+  return {workspace_piece(c.workspace, plan.ws.a, at::kBFloat16, {NC, s.HV, C, C}),
+          workspace_piece(c.workspace, plan.ws.gcum, at::kFloat, {NC, s.HV, C}),
+          workspace_piece(c.workspace, plan.ws.chunk_decay, at::kFloat, {NC, s.HV})};
+}
+
+// The backward's reverse walk alone (gdn/bwd_walk.h), for tests of the stage: (dS tape
+// [NC, HV, 128, 128] bf16 ([slot, hv, v, k] = dS_end[k, v]), dv_new tape [NC, HV, 64, 128]
+// bf16, dh0 [N, HV, 128, 128] fp32), NC = a.size(0).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& dout, const at::Tensor& a, const at::Tensor& gcum,
+    const std::optional<at::Tensor>& qk_lrn, const std::optional<at::Tensor>& dht, const at::Tensor& chunk_offsets,
+    const at::Tensor& cu_seqlens, int64_t HV, double scale) {
+  constexpr const char* op = "gdn_bwd_walk";
+  constexpr int64_t D = kGdnHeadDim, C = kGdnChunk;
+  TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
+  TORCH_CHECK(q.dim() == 3, op, ": q must be [T, H, K], got ", q.sizes());
+  const int64_t T = q.size(0), H = q.size(1);
+  TORCH_CHECK(q.size(2) == D, op, ": q: the CUDA kernels need head dim K = 128, got K = ", q.size(2));
+  TORCH_CHECK(H >= 1, op, ": q needs at least one head, got ", q.sizes());
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, op, ": q must be bfloat16, got ", q.scalar_type());
+  TORCH_CHECK(k.sizes() == q.sizes(), op, ": k must be [T, H, K] = ", q.sizes(), " like q, got ", k.sizes());
+  TORCH_CHECK(k.scalar_type() == at::kBFloat16, op, ": k must be bfloat16, got ", k.scalar_type());
+  check_same_device(k, q, op, "k", "q");
+  TORCH_CHECK(HV >= 1 && HV % H == 0, op, ": HV = ", HV, " must be a positive multiple of q's heads H = ", H);
+  TORCH_CHECK(HV < (1 << 24), op, ": HV = ", HV, " must be below 2^24");
+  TORCH_CHECK(dout.dim() == 3 && dout.size(0) == T && dout.size(1) == HV && dout.size(2) == D, op,
+              ": do must be [T, HV, V] = [", T, ", ", HV, ", 128], got ", dout.sizes());
+  TORCH_CHECK(dout.scalar_type() == at::kBFloat16, op, ": do must be bfloat16, got ", dout.scalar_type());
+  check_same_device(dout, q, op, "do", "q");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, op, ": cu_seqlens must be [N + 1], got ",
+              cu_seqlens.sizes());
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
+              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
+  check_same_device(cu_seqlens, q, op, "cu_seqlens", "q");
+  const int64_t N = cu_seqlens.numel() - 1;
+  TORCH_CHECK(T == 0 || N >= 1, op, ": cu_seqlens: ", T, " tokens need at least one document");
+  TORCH_CHECK(chunk_offsets.dim() == 1 && chunk_offsets.numel() == N + 1, op,
+              ": chunk_offsets must be [N + 1] = [", N + 1, "], got ", chunk_offsets.sizes());
+  TORCH_CHECK(chunk_offsets.scalar_type() == at::kInt, op, ": chunk_offsets must be int32, got ",
+              chunk_offsets.scalar_type());
+  check_same_device(chunk_offsets, q, op, "chunk_offsets", "q");
+  TORCH_CHECK(a.dim() == 4 && a.size(1) == HV && a.size(2) == C && a.size(3) == C, op,
+              ": a must be [NC, HV, 64, 64] with HV = ", HV, ", got ", a.sizes());
+  const int64_t NC = a.size(0);
+  // Every document's chunks fit ceil(T / 64) + N slots (plan.h): the plan's grid, or more.
+  TORCH_CHECK(NC >= gdn_fwd_chunk_slots(T, N), op, ": a: NC = ", NC, " chunk slots, fewer than ceil(T / 64) + N = ",
+              gdn_fwd_chunk_slots(T, N));
+  TORCH_CHECK(NC * HV < (int64_t{1} << 31), op, ": a: NC * HV = ", NC * HV, " must be below 2^31");
+  TORCH_CHECK(a.scalar_type() == at::kBFloat16, op, ": a must be bfloat16, got ", a.scalar_type());
+  check_same_device(a, q, op, "a", "q");
+  TORCH_CHECK(gcum.dim() == 3 && gcum.size(0) == NC && gcum.size(1) == HV && gcum.size(2) == C, op,
+              ": gcum must be [NC, HV, 64] = [", NC, ", ", HV, ", 64], got ", gcum.sizes());
+  TORCH_CHECK(gcum.scalar_type() == at::kFloat, op, ": gcum must be float32, got ", gcum.scalar_type());
+  check_same_device(gcum, q, op, "gcum", "q");
+  if (qk_lrn) {
+    TORCH_CHECK(qk_lrn->dim() == 4 && qk_lrn->size(0) == NC && qk_lrn->size(1) == H && qk_lrn->size(2) == 2 &&
+                    qk_lrn->size(3) == C,
+                op, ": qk_lrn must be [NC, H, 2, 64] = [", NC, ", ", H, ", 2, 64], got ", qk_lrn->sizes());
+    TORCH_CHECK(qk_lrn->scalar_type() == at::kFloat, op, ": qk_lrn must be float32, got ", qk_lrn->scalar_type());
+    check_same_device(*qk_lrn, q, op, "qk_lrn", "q");
+  }
+  if (dht) {
+    TORCH_CHECK(dht->sizes() == at::IntArrayRef({N, HV, D, D}), op, ": dht must be [N, HV, K, V] = [", N, ", ", HV,
+                ", 128, 128], got ", dht->sizes());
+    TORCH_CHECK(dht->scalar_type() == at::kFloat, op, ": dht must be float32, got ", dht->scalar_type());
+    check_same_device(*dht, q, op, "dht", "q");
+  }
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ", scale);
+  TORCH_CHECK(T < (int64_t{1} << 31) - C, op, ": q: T = ", T, " tokens must be below 2^31 - 64");
+
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const at::Tensor qc = dense16(q), kc = dense16(k), doc = dense16(dout), ac = dense16(a), gc = dense16(gcum);
+  const at::Tensor lrn = qk_lrn ? dense16(*qk_lrn) : at::Tensor();
+  const at::Tensor dhtc = dht ? dht->contiguous() : at::Tensor();
+  const at::Tensor offs = chunk_offsets.contiguous(), cu = cu_seqlens.contiguous();
+  at::Tensor dS = at::empty({NC, HV, D, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dv_new = at::empty({NC, HV, C, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dh0 = at::empty({N, HV, D, D}, q.options().dtype(at::kFloat));
+
+  GdnBwdWalkArgs p{};
+  p.q = qc.data_ptr();
+  p.k = kc.data_ptr();
+  p.dout = doc.data_ptr();
+  p.a = ac.data_ptr();
+  p.gcum = gc.data_ptr<float>();
+  p.qk_lrn = lrn.defined() ? lrn.data_ptr<float>() : nullptr;
+  p.dht = dhtc.defined() ? dhtc.data_ptr<float>() : nullptr;
+  p.chunk_offsets = offs.data_ptr<int32_t>();
+  p.cu_seqlens = cu.data_ptr();
+  p.cu_int64 = cu.scalar_type() == at::kLong;
+  p.dS = dS.data_ptr();
+  p.dv_new = dv_new.data_ptr();
+  p.dh0 = dh0.data_ptr<float>();
+  p.T = T;
+  p.N = N;
+  p.H = H;
+  p.HV = HV;
+  p.scale = static_cast<float>(scale);
+  const cudaError_t err = gdn_bwd_walk_launch(p, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  return {dS, dv_new, dh0};
+}
+
+// The backward's chunk-local gradients alone (gdn/bwd_local.h), for tests of the stage,
+// fed tapes from anywhere (the backward's walks, or cake_ops/pytorch/gdn.py).
+constexpr const char* kOp = "gdn_bwd_local";
+
+void check_tensor(const at::Tensor& t, const at::Tensor& like, const char* name, at::IntArrayRef shape,
+                  at::ScalarType dtype, const char* shape_text) {
+  TORCH_CHECK(t.sizes() == shape, kOp, ": ", name, " must be ", shape_text, " = ", shape, ", got ", t.sizes());
+  TORCH_CHECK(t.scalar_type() == dtype, kOp, ": ", name, " must be ", dtype, ", got ", t.scalar_type());
+  check_same_device(t, like, kOp, name, "q");
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_local(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& g,
+    const at::Tensor& beta, const at::Tensor& gcum, const at::Tensor& A, const at::Tensor& h,
+    const at::Tensor& v_new, const at::Tensor& dS, const at::Tensor& dv_new, const at::Tensor& chunk_offsets,
+    const at::Tensor& cu_seqlens, double scale, bool use_qk_l2norm) {
+  constexpr int64_t C = kGdnChunk, D = kGdnHeadDim;
+  TORCH_CHECK(q.is_cuda(), kOp, ": q must be a CUDA tensor, got ", q.device());
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D && q.size(1) >= 1, kOp,
+              ": q must be [T, H, 128] (K = 128), got ", q.sizes());
+  const int64_t T = q.size(0), H = q.size(1);
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16, kOp, ": q must be bfloat16, got ", q.scalar_type());
+  check_tensor(k, q, "k", q.sizes(), at::kBFloat16, "[T, H, 128] like q");
+  TORCH_CHECK(v.dim() == 3 && v.size(0) == T && v.size(2) == D, kOp, ": v must be [T, HV, 128] (V = 128), got ",
+              v.sizes());
+  const int64_t HV = v.size(1);
+  TORCH_CHECK(HV >= 1 && HV % H == 0, kOp, ": v: the value heads HV = ", HV,
+              " must be a positive multiple of q's heads H = ", H);
+  TORCH_CHECK(HV < (1 << 24), kOp, ": v: HV = ", HV, " must be below 2^24");
+  check_tensor(v, q, "v", {T, HV, D}, at::kBFloat16, "[T, HV, 128]");
+  check_tensor(dout, q, "do", {T, HV, D}, at::kBFloat16, "[T, HV, 128] like v");
+  check_tensor(g, q, "g", {T, HV}, at::kFloat, "[T, HV]");
+  TORCH_CHECK(beta.sizes() == at::IntArrayRef({T, HV}), kOp, ": beta must be [T, HV] = [", T, ", ", HV, "], got ",
+              beta.sizes());
+  TORCH_CHECK(beta.scalar_type() == at::kFloat || beta.scalar_type() == at::kBFloat16, kOp,
+              ": beta must be float32 or bfloat16, got ", beta.scalar_type());
+  check_same_device(beta, q, kOp, "beta", "q");
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, kOp, ": cu_seqlens must be [N + 1], got ",
+              cu_seqlens.sizes());
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, kOp,
+              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
+  check_same_device(cu_seqlens, q, kOp, "cu_seqlens", "q");
+  const int64_t N = cu_seqlens.numel() - 1;
+  TORCH_CHECK(T == 0 || N >= 1, kOp, ": cu_seqlens: ", T, " tokens need at least one document");
+  const int64_t NC = gdn_fwd_chunk_slots(T, N);
+  TORCH_CHECK(T < (int64_t{1} << 31) - C && NC * HV < (int64_t{1} << 31) && NC * H < (int64_t{1} << 31), kOp,
+              ": T = ", T, ", N = ", N, ", HV = ", HV, " exceed the kernel's 32-bit grid");
+  check_tensor(chunk_offsets, q, "chunk_offsets", {N + 1}, at::kInt, "[N + 1] int32");
+  check_tensor(gcum, q, "gcum", {NC, HV, C}, at::kFloat, "[NC, HV, 64] with NC = ceil(T / 64) + N");
+  check_tensor(A, q, "A", {NC, HV, C, C}, at::kBFloat16, "[NC, HV, 64, 64] with NC = ceil(T / 64) + N");
+  check_tensor(h, q, "h", {NC, HV, D, D}, at::kBFloat16, "[NC, HV, 128 (V), 128 (K)] (S^T)");
+  check_tensor(v_new, q, "v_new", {NC, HV, C, D}, at::kBFloat16, "[NC, HV, 64, 128]");
+  check_tensor(dS, q, "dS", {NC, HV, D, D}, at::kBFloat16, "[NC, HV, 128 (V), 128 (K)] (dS^T)");
+  check_tensor(dv_new, q, "dv_new", {NC, HV, C, D}, at::kBFloat16, "[NC, HV, 64, 128]");
+  TORCH_CHECK(std::isfinite(scale) && scale > 0, kOp, ": scale must be finite and > 0, got ", scale);
+
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const at::Tensor q_ = dense16(q), k_ = dense16(k), v_ = dense16(v), do_ = dense16(dout), A_ = dense16(A),
+                   h_ = dense16(h), vn_ = dense16(v_new), ds_ = dense16(dS), dvn_ = dense16(dv_new);
+  const at::Tensor g_ = g.contiguous(), beta_ = beta.contiguous(), gcum_ = gcum.contiguous(),
+                   co_ = chunk_offsets.contiguous(), cu_ = cu_seqlens.contiguous();
+  at::Tensor dq = at::empty({T, H, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dk = at::empty({T, H, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dv = at::empty({T, HV, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dg = at::empty({T, HV}, q.options().dtype(at::kFloat));
+  at::Tensor dbeta = at::empty({T, HV}, q.options().dtype(beta.scalar_type()));
+
+  GdnBwdLocalArgs a{};
+  a.q = q_.data_ptr();
+  a.k = k_.data_ptr();
+  a.v = v_.data_ptr();
+  a.dout = do_.data_ptr();
+  a.g = g_.data_ptr<float>();
+  a.beta = beta_.data_ptr();
+  a.beta_dtype = to_dtype(beta_.scalar_type());
+  a.gcum = gcum_.data_ptr<float>();
+  a.a = A_.data_ptr();
+  a.h = h_.data_ptr();
+  a.v_new = vn_.data_ptr();
+  a.ds = ds_.data_ptr();
+  a.dv_new = dvn_.data_ptr();
+  a.chunk_offsets = co_.data_ptr<int32_t>();
+  a.cu_seqlens = cu_.data_ptr();
+  a.cu_int64 = cu_.scalar_type() == at::kLong;
+  a.dq = dq.data_ptr();
+  a.dk = dk.data_ptr();
+  a.dv = dv.data_ptr();
+  a.dg = dg.data_ptr<float>();
+  a.dbeta = dbeta.data_ptr();
+  a.T = T;
+  a.N = N;
+  a.H = H;
+  a.HV = HV;
+  a.scale = static_cast<float>(scale);
+  a.use_qk_l2norm = use_qk_l2norm;
+  const cudaError_t err = gdn_bwd_local_launch(a, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, kOp, ": kernel launch failed: ", cudaGetErrorString(err));
+  return {dq, dk, dv, dg, dbeta};
+}
+
+
+// The whole backward (docs/kernels.md, "Backward"): the recompute of the forward's tapes
+// with the forward's own plan (gdn_bwd_tapes_launch), the reverse walk of the state
+// gradient (dS and dv_new tapes, dh0), then the chunk-local gradients; one workspace.
+// Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta) and fp32 dh0
+// [N, HV, K, V]. do arrives as o's gradient (bf16 [T, HV, V]), dht as the final state's
+// (fp32 [N, HV, K, V]) or none.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd(
+    const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q, const at::Tensor& k,
+    const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
+    const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, bool deterministic,
+    int64_t segment_chunks, int64_t value_splits) {
+  constexpr const char* op = "gdn_bwd";
+  constexpr int64_t D = kGdnHeadDim;
+  const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef({s.T, s.HV, D}), op, ": do must be [T, HV, V] = [", s.T, ", ", s.HV,
+              ", 128], got ", dout.sizes());
+  TORCH_CHECK(dout.scalar_type() == at::kBFloat16, op, ": do must be bfloat16, got ", dout.scalar_type());
+  check_same_device(dout, q, op, "do", "q");
+  if (dht) {
+    TORCH_CHECK(dht->sizes() == at::IntArrayRef({s.N, s.HV, D, D}), op, ": dht must be [N, HV, K, V] = [", s.N, ", ",
+                s.HV, ", 128, 128], got ", dht->sizes());
+    TORCH_CHECK(dht->scalar_type() == at::kFloat, op, ": dht must be float32, got ", dht->scalar_type());
+    check_same_device(*dht, q, op, "dht", "q");
+  }
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
+                                           segment_chunks, value_splits, /*backward=*/true);
+  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  cudaError_t err = gdn_bwd_tapes_launch(c.args, stream);
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tapes): ", cudaGetErrorString(err));
+
+  const at::Tensor dout_c = dense16(dout);
+  const at::Tensor dht_c = dht ? dht->contiguous() : at::Tensor();
+  unsigned char* ws = static_cast<unsigned char*>(c.workspace.data_ptr());
+  const GdnWorkspaceLayout& w = plan.ws;
+  const GdnFwdArgs& f = c.args;
+  at::Tensor dq = at::empty({s.T, s.H, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dk = at::empty({s.T, s.H, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dv = at::empty({s.T, s.HV, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dg = at::empty({s.T, s.HV}, q.options().dtype(at::kFloat));
+  at::Tensor dbeta = at::empty({s.T, s.HV}, q.options().dtype(beta.scalar_type()));
+  at::Tensor dh0 = at::empty({s.N, s.HV, D, D}, q.options().dtype(at::kFloat));
+
+  GdnBwdWalkArgs r{};
+  r.q = f.q;
+  r.k = f.k;
+  r.dout = dout_c.data_ptr();
+  r.a = f.a;
+  r.gcum = f.gcum;
+  r.qk_lrn = f.qk_lrn;
+  r.dht = dht_c.defined() ? dht_c.data_ptr<float>() : nullptr;
+  r.chunk_offsets = f.chunk_offsets;
+  r.cu_seqlens = f.cu_seqlens;
+  r.cu_int64 = f.cu_int64;
+  r.dS = ws + w.dS_tape;
+  r.dv_new = ws + w.dv_new_tape;
+  r.dh0 = dh0.data_ptr<float>();
+  r.T = s.T;
+  r.N = s.N;
+  r.H = s.H;
+  r.HV = s.HV;
+  r.scale = static_cast<float>(scale);
+  err = gdn_bwd_walk_launch(r, stream);
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
+
+  GdnBwdLocalArgs l{};
+  l.q = f.q;
+  l.k = f.k;
+  l.v = f.v;
+  l.dout = r.dout;
+  l.g = f.g;
+  l.beta = f.beta;
+  l.beta_dtype = f.beta_dtype;
+  l.gcum = f.gcum;
+  l.a = f.a_unit;
+  l.h = f.h_tape;
+  l.v_new = f.v_new_tape;
+  l.ds = r.dS;
+  l.dv_new = r.dv_new;
+  l.chunk_offsets = f.chunk_offsets;
+  l.cu_seqlens = f.cu_seqlens;
+  l.cu_int64 = f.cu_int64;
+  l.dq = dq.data_ptr();
+  l.dk = dk.data_ptr();
+  l.dv = dv.data_ptr();
+  l.dg = dg.data_ptr<float>();
+  l.dbeta = dbeta.data_ptr();
+  l.T = s.T;
+  l.N = s.N;
+  l.H = s.H;
+  l.HV = s.HV;
+  l.scale = static_cast<float>(scale);
+  l.use_qk_l2norm = use_qk_l2norm;
+  err = gdn_bwd_local_launch(l, stream);
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (local gradients): ", cudaGetErrorString(err));
+  return {dq, dk, dv, dg, dbeta, dh0};
 }
 
 }  // namespace
@@ -194,9 +549,29 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_fwd_prep(Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, bool use_qk_l2norm) "
       "-> (Tensor, Tensor, Tensor)");
+  m.def(
+      "gdn_bwd_tapes(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
+      "int value_splits=-1) "
+      "-> (Tensor h, Tensor v_new, Tensor a, Tensor a_unit, Tensor gcum, Tensor qk_lrn, Tensor chunk_offsets)");
+  m.def(
+      "gdn_bwd_walk(Tensor q, Tensor k, Tensor do, Tensor a, Tensor gcum, Tensor? qk_lrn, Tensor? dht, "
+      "Tensor chunk_offsets, Tensor cu_seqlens, int HV, float scale) -> (Tensor dS, Tensor dv_new, Tensor dh0)");
+  m.def(
+      "gdn_bwd_local(Tensor q, Tensor k, Tensor v, Tensor do, Tensor g, Tensor beta, Tensor gcum, Tensor A, "
+      "Tensor h, Tensor v_new, Tensor dS, Tensor dv_new, Tensor chunk_offsets, Tensor cu_seqlens, float scale, "
+      "bool use_qk_l2norm) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta)");
+  m.def(
+      "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
+      "int value_splits=-1) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dh0)");
 }
 
 TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
   m.impl("gdn_fwd", &cake::gdn_fwd);
   m.impl("gdn_fwd_prep", &cake::gdn_fwd_prep);
+  m.impl("gdn_bwd_tapes", &cake::gdn_bwd_tapes);
+  m.impl("gdn_bwd_walk", &cake::gdn_bwd_walk);
+  m.impl("gdn_bwd_local", &cake::gdn_bwd_local);
+  m.impl("gdn_bwd", &cake::gdn_bwd);
 }

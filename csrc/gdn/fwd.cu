@@ -1,6 +1,7 @@
 // The GDN forward: plan, prep, then (when the walk is cut into segments) the segment
 // summaries and their chain, then the walk (gdn.h; docs/kernels.md, "Forward stages").
-// Each stage returns at once when it has nothing to do for the call's plan.
+// Each stage returns at once when it has nothing to do for the call's plan. And the
+// backward's recompute: the same stages with the walk in tape mode.
 
 #include "gdn/gdn.h"
 
@@ -9,6 +10,16 @@ namespace cake {
 cudaError_t gdn_fwd_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   for (auto stage : {gdn_fwd_plan_launch, gdn_fwd_prep_launch, gdn_fwd_summary_launch, gdn_fwd_chain_launch,
                      gdn_fwd_walk_launch}) {
+    const cudaError_t err = stage(p, stream);
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
+cudaError_t gdn_bwd_tapes_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.N > 0 && (p.a_unit == nullptr || p.h_tape == nullptr || p.v_new_tape == nullptr)) return cudaErrorInvalidValue;
+  for (auto stage : {gdn_fwd_plan_launch, gdn_fwd_prep_launch, gdn_fwd_summary_launch, gdn_fwd_chain_launch,
+                     gdn_fwd_tape_walk_launch}) {
     const cudaError_t err = stage(p, stream);
     if (err != cudaSuccess) return err;
   }

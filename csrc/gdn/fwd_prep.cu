@@ -4,7 +4,8 @@
 // rows for the walk, and per value head gcum (of g floored at kGdnGateFloor), the chunk's
 // certified log decay (chunk_decay) and the WY inverse A diag(beta). No normalised copy of
 // q or k goes through HBM: the walk loads them raw and applies the norms in fp32
-// (fwd_walk_loads.cuh).
+// (fwd_walk_loads.cuh). The backward's prep (p.a_unit set: a template variant of its
+// own, the forward's code unchanged) also writes A itself to a_unit.
 //
 // Why it is as it is:
 // - Bytes: per (slot, q/k head) the CTA reads k (16 KB), with use_qk_l2norm q (16 KB, for
@@ -67,7 +68,9 @@ namespace {
 constexpr int kPrepThreads = 128;  // 4 warps; warp w owns rows 16w .. 16w+15 of the chunk
 // CTAs per SM: 6 (<= 80 registers a thread) for unit keys, 5 (<= 96) for raw keys, whose
 // 3xTF32 merges spill at 80; ~29 KB of shared memory a CTA.
-constexpr int prep_ctas_per_sm(bool unit_keys) { return unit_keys ? 6 : 5; }
+// The backward's prep (with a_unit, the stores of a second tile) spills unit keys at 80:
+// it runs at raw keys' 5 CTAs (96 registers) for both.
+constexpr int prep_ctas_per_sm(bool unit_keys, bool with_unit = false) { return unit_keys && !with_unit ? 6 : 5; }
 constexpr int kGateHeads = 4;      // value heads whose gates are staged at once: one scan per warp
 
 // Shared memory of the prep CTA (bytes). The k tile (bf16 64x128, swizzled) lives until
@@ -262,6 +265,40 @@ __device__ __forceinline__ void store_rows(const unsigned char* stage, __nv_bflo
   __syncwarp();  // the staging is rewritten by the next value head
 }
 
+// a_unit (the backward's A without beta, gdn.h), straight from the registers as 4-byte
+// stores of bf16 pairs (the staging is the A diag(beta) rows'; the backward's prep only).
+// Block (W, W) from a = A_WW.
+__device__ __forceinline__ void store_unit_diag(__nv_bfloat16* a_unit, const Tile& a, int W, int lane) {
+  const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int v = 0; v < 2; ++v)
+      *reinterpret_cast<uint32_t*>(a_unit + (16 * W + gid + 8 * v) * kGdnChunk + 16 * W + 8 * h + 2 * t4) =
+          mma::pack_bf16(a[h][2 * v], a[h][2 * v + 1]);
+}
+
+// Block (W, J), J < W, from at = (A_WJ)^T: at[h][e] is A_WJ's (8 h + 2 t4 + (e & 1),
+// gid + 8 (e >> 1)), one bf16 each (a warp's store: 16 bytes in each of 4 rows).
+__device__ __forceinline__ void store_unit_transposed(__nv_bfloat16* a_unit, const Tile& at, int W, int J, int lane) {
+  const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      a_unit[(16 * W + 8 * h + 2 * t4 + (e & 1)) * kGdnChunk + 16 * J + gid + 8 * (e >> 1)] = __float2bfloat16_rn(at[h][e]);
+}
+
+// Blocks (W, J > W): zeros, 16-byte stores.
+__device__ __forceinline__ void store_unit_zeros(__nv_bfloat16* a_unit, int W, int lane) {
+#pragma unroll
+  for (int it = 0; it < 4; ++it) {
+    const int row = 4 * it + (lane >> 3), chunk = lane & 7;
+    if (chunk >= 2 * W + 2)
+      *reinterpret_cast<uint4*>(a_unit + (16 * W + row) * kGdnChunk + chunk * 8) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
+
 struct InverseSmem {
   const float4* kk;  // K K^T tiles, lane for lane: block row w's tiles from w (w + 1) / 2
   float* diag;
@@ -297,10 +334,17 @@ __device__ __forceinline__ void form_l(const float4* s_kk, const float* gl, cons
 // One value head, block row W = this warp of the chunk; see the file comment. gl, beta: this head's
 // 64 gcum log2(e) and beta values (shared memory). W is a runtime value and the rounds a loop, so
 // that the four warps run one copy of the code: a copy per block row stalls on
-// instruction-cache misses (docs/experiments.md).
-template <bool kUnitKeys>
+// instruction-cache misses (docs/experiments.md). kWithUnit: A itself to a_unit too, at
+// a_out + s_unit_offset bytes, read from shared memory where used (after the rounds'
+// barriers) rather than held in registers through them.
+__shared__ int64_t s_unit_offset;  // kWithUnit: p.a_unit - p.a in bytes
+
+template <bool kUnitKeys, bool kWithUnit>
 __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const float* gl, const float* beta,
                                                  __nv_bfloat16* a_out, int W) {
+  auto a_unit = [a_out] {
+    return reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<unsigned char*>(a_out) + s_unit_offset);
+  };
   const int lane = lane_id();
   unsigned char* stage_ptr = s.stage + W * kStageBytes;
   const uint32_t stage = mma::smem_addr(stage_ptr);
@@ -312,6 +356,7 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
   invert_unit_lower(l, a, lane);
   if (W < 3) store_diag(s.diag + W * 16 * kDiagLd, a, lane);
   stage_diag(stage, a, beta, W, lane);
+  if constexpr (kWithUnit) store_unit_diag(a_unit(), a, W, lane);
 
   // Rounds 1..3: T^T_J = sum_{K=J}^{W-1} (A_KJ)^T L_WK^T, term (J, K) in round K - J + 1;
   // when complete (round W - J), (A_WJ)^T = -T^T_J A_WW^T. J is unrolled (tt stays in
@@ -319,7 +364,10 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
   float tt[3][2][4] = {};
 #pragma unroll 1
   for (int round = 1; round <= 3; ++round) {
-    if (round == W + 1) store_rows(stage_ptr, a_out, W, lane);  // row W is complete
+    if (round == W + 1) {  // row W is complete
+      store_rows(stage_ptr, a_out, W, lane);
+      if constexpr (kWithUnit) store_unit_zeros(a_unit(), W, lane);
+    }
     mma::cta_barrier();  // the warps reach it from different code: the non-.aligned form
 #pragma unroll
     for (int J = 2; J >= 0; --J) {
@@ -339,10 +387,11 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
           for (int e = 0; e < 4; ++e) at[h][e] = -at[h][e];
         if (W < 3) store_frag(s.off + (J + W - 1) * 64, at, lane);
         stage_transposed(stage, at, beta, J, lane);
+        if constexpr (kWithUnit) store_unit_transposed(a_unit(), at, W, J, lane);
       }
     }
   }
-  if (W == 3) store_rows(stage_ptr, a_out, W, lane);
+  if (W == 3) store_rows(stage_ptr, a_out, W, lane);  // (W = 3: no zeros right of it)
 }
 
 // ---------------------------------------------------------------------------------
@@ -484,8 +533,10 @@ __device__ __forceinline__ void write_chunk_decay(float* out, const float* gc_la
 }
 
 // kUnitKeys = p.use_qk_l2norm: q and k rows are normalised here (and in the walk).
-template <bool kUnitKeys>
-__global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn_fwd_prep_kernel(const GdnFwdArgs p) {
+// kWithUnit = (p.a_unit != nullptr): the backward's prep, A itself to a_unit as well.
+template <bool kUnitKeys, bool kWithUnit>
+__global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys, kWithUnit))
+    gdn_fwd_prep_kernel(const GdnFwdArgs p) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
   __shared__ float s_gl[kGateHeads][kGdnChunk];  // gcum log2(e)
   __shared__ float s_gc_last[kGateHeads];  // gcum's last value
@@ -504,6 +555,9 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: matrix index and row of this lane's address
   const int G = static_cast<int>(p.HV) / H;
+
+  if (kWithUnit && threadIdx.x == 0)  // (read after the barriers below)
+    s_unit_offset = static_cast<const unsigned char*>(p.a_unit) - static_cast<const unsigned char*>(p.a);
 
   // 1. k in flight, q's rows (for their norms) and the first value heads' gates meanwhile.
   copy_rows(static_cast<const __nv_bfloat16*>(p.k), smem + kKTile, pos, p.H, h);
@@ -591,7 +645,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn
                                     s_gc_last + warp, s_beta[warp], s_knorm2);
     for (int j = 0; j < n; ++j) {
       __nv_bfloat16* a_out = a_first + (g0 + j) * kGdnChunk * kGdnChunk;
-      invert_block_row<kUnitKeys>(s, s_gl[j], s_beta[j], a_out, warp);
+      invert_block_row<kUnitKeys, kWithUnit>(s, s_gl[j], s_beta[j], a_out, warp);
     }
   }
 }
@@ -601,8 +655,14 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys)) gdn
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.T == 0 || p.H == 0) return cudaSuccess;
   const int64_t blocks = gdn_fwd_chunk_slots(p.T, p.N) * p.H;
-  if (p.use_qk_l2norm) gdn_fwd_prep_kernel<true><<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
-  else gdn_fwd_prep_kernel<false><<<static_cast<unsigned>(blocks), kPrepThreads, 0, stream>>>(p);
+  const dim3 grid(static_cast<unsigned>(blocks));
+  if (p.a_unit != nullptr) {
+    if (p.use_qk_l2norm) gdn_fwd_prep_kernel<true, true><<<grid, kPrepThreads, 0, stream>>>(p);
+    else gdn_fwd_prep_kernel<false, true><<<grid, kPrepThreads, 0, stream>>>(p);
+  } else {
+    if (p.use_qk_l2norm) gdn_fwd_prep_kernel<true, false><<<grid, kPrepThreads, 0, stream>>>(p);
+    else gdn_fwd_prep_kernel<false, false><<<grid, kPrepThreads, 0, stream>>>(p);
+  }
   return cudaGetLastError();
 }
 

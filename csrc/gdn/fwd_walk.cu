@@ -1,7 +1,10 @@
 // Forward walk of the chunked gated delta rule (gdn.h; docs/kernels.md, "Forward
-// stages"), in two modes:
+// stages"), in three modes (WalkMode, fwd_walk_layout.cuh):
 //   output:  the walk of one segment (a whole document when uncut) with the output fused,
 //            from the segment's start state; the last segment writes the final state;
+//   tape:    the backward's recompute: the output mode's walks (same start states, same
+//            chain instructions), writing per chunk the h and v_new tapes instead of o
+//            (no q, P~ or O; no final state; fwd_walk_tapes.cuh);
 //   summary: the walk of one segment without output, from zero (E_s; segment 0 from the
 //            initial state) or from the identity with v = 0 (M_s), written to the
 //            segment workspaces for the chain (fwd_chain.cu); at a truncated cut
@@ -13,6 +16,7 @@
 //   fwd_walk_loads.cuh      the aux warpgroup: TMA loads, ragged-row zeroing, P~, gate vectors
 //   fwd_walk_state.cuh      the state warpgroups: the chain S -> U -> X -> S, O^T
 //   fwd_walk_output.cuh     the o epilogue
+//   fwd_walk_tapes.cuh      the h and v_new epilogues of tape mode
 //
 // One CTA per (segment, value head[, E or M]) (summaries: a persistent grid, the CTAs
 // taking these walks from a queue), three warpgroups with separate jobs:
@@ -73,29 +77,29 @@ namespace {
 
 using namespace gdn_walk;
 
-// Output mode: one CTA per walk (find_walk). Summary mode: the persistent grid and its
-// queue (fwd_walk_scheduler.cuh).
+// Output and tape modes: one CTA per walk (find_walk). Summary mode: the persistent grid
+// and its queue (fwd_walk_scheduler.cuh).
 // Each role's loop sits beside its setmaxnreg, so that the compiler sees one register
 // budget per code path.
-template <bool kOutput, int kStateWgs>
+template <WalkMode kMode, int kStateWgs>
 __global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1)
-    gdn_fwd_walk_kernel(const GdnFwdArgs p, const __grid_constant__ WalkMaps maps) {
+    gdn_fwd_walk_kernel(const GdnFwdCoreArgs p, const __grid_constant__ WalkMaps maps, const WalkTapes tapes) {
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t load_bar[kStages];
   unsigned char* smem = smem_raw + ((1024 - (mma::smem_addr(smem_raw) & 1023)) & 1023);
   const uint32_t bars = mma::smem_addr(load_bar);
   const int wg = threadIdx.x >> 7;
-  if constexpr (kOutput) {
-    const Walk w = find_walk<kOutput, kStateWgs>(p, blockIdx.x);
+  if constexpr (kMode != WalkMode::kSummary) {
+    const Walk w = find_walk<kMode, kStateWgs>(p, blockIdx.x);
     if (!w.run) return;
     if (wg == kStateWgs) {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs<kStateWgs>));
-      aux_warpgroup<kOutput, kStateWgs>(p, maps, smem, bars, w.hv, w.hv / static_cast<int>(p.HV / p.H), w.seg_start,
-                                        w.seg_end, w.nch, w.first_slot, true, w.half, false);
+      aux_warpgroup<kMode, kStateWgs>(p, maps, smem, bars, w.hv, w.hv / static_cast<int>(p.HV / p.H), w.seg_start,
+                                      w.seg_end, w.nch, w.first_slot, true, w.half, false);
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
-      state_warpgroup<kOutput, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half, w.hv,
-                                          w.seg_start, w.doc_end, w.nch, w.S0, false, w.S_end);
+      state_warpgroup<kMode, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half, w.hv,
+                                        w.seg_start, w.doc_end, w.nch, w.S0, false, w.S_end, w.first_slot, tapes);
     }
   } else {
     __shared__ int32_t taken;  // the walk thread 0 took from the queue
@@ -108,10 +112,10 @@ __global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1)
         mma::bar_sync(kBarItem, kWalkThreads<kStateWgs>);  // `taken` is written
         const int64_t i = taken;
         if (i >= walks) break;
-        const Walk w = find_walk<kOutput, kStateWgs>(p, i);
+        const Walk w = find_walk<kMode, kStateWgs>(p, i);
         if (w.run) {
-          aux_warpgroup<kOutput, kStateWgs>(p, maps, smem, bars, w.hv, w.hv / static_cast<int>(p.HV / p.H),
-                                            w.seg_start, w.seg_end, w.nch, w.first_slot, !w.transfer, w.half, walked);
+          aux_warpgroup<kMode, kStateWgs>(p, maps, smem, bars, w.hv, w.hv / static_cast<int>(p.HV / p.H),
+                                          w.seg_start, w.seg_end, w.nch, w.first_slot, !w.transfer, w.half, walked);
           walked = true;
         }
         mma::bar_sync(kBarItem, kWalkThreads<kStateWgs>);  // the walk is done: its barriers and stages are free
@@ -123,10 +127,11 @@ __global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1)
         mma::bar_sync(kBarItem, kWalkThreads<kStateWgs>);
         const int64_t i = taken;
         if (i >= walks) break;
-        const Walk w = find_walk<kOutput, kStateWgs>(p, i);
+        const Walk w = find_walk<kMode, kStateWgs>(p, i);
         if (w.run)
-          state_warpgroup<kOutput, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half,
-                                              w.hv, w.seg_start, w.doc_end, w.nch, w.S0, w.transfer, w.S_end);
+          state_warpgroup<kMode, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half,
+                                            w.hv, w.seg_start, w.doc_end, w.nch, w.S0, w.transfer, w.S_end,
+                                            w.first_slot, tapes);
         mma::bar_sync(kBarItem, kWalkThreads<kStateWgs>);  // (every thread has read `taken` before it is rewritten)
       }
     }
@@ -153,39 +158,52 @@ cudaError_t encode_walk_maps(const GdnFwdArgs& p, WalkMaps& m) {
   return err;
 }
 
-template <bool kOutput, int kStateWgs>
+template <WalkMode kMode, int kStateWgs>
 cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t stream) {
-  auto kernel = gdn_fwd_walk_kernel<kOutput, kStateWgs>;
+  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // one CTA per segment walk (output, tape)
+  auto kernel = gdn_fwd_walk_kernel<kMode, kStateWgs>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  int64_t blocks = items * p.HV * (kOutput ? 1 : 2) * (3 - kStateWgs);
+  int64_t blocks = items * p.HV * (kSegmentWalk ? 1 : 2) * (3 - kStateWgs);
   if (blocks == 0) return cudaSuccess;
-  if constexpr (!kOutput) {  // persistent: at most one CTA per SM (the kernel's occupancy)
+  if constexpr (!kSegmentWalk) {  // persistent: at most one CTA per SM (the kernel's occupancy)
     if (p.sm_count <= 0) return cudaErrorInvalidValue;
     blocks = std::min<int64_t>(blocks, p.sm_count);
   }
   WalkMaps maps;
   err = encode_walk_maps(p, maps);
   if (err != cudaSuccess) return err;
-  kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kSmemBytes, stream>>>(p, maps);
+  const GdnFwdCoreArgs& core = p;
+  const WalkTapes tapes = kMode == WalkMode::kTape ? WalkTapes{p.h_tape, p.v_new_tape} : WalkTapes{};
+  kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kSmemBytes, stream>>>(core, maps, tapes);
   return cudaGetLastError();
 }
 
-template <bool kOutput>
+template <WalkMode kMode>
 cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
+  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // the segment walks (output, tape)
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int finest = gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max);
-  const int64_t items = kOutput ? gdn_fwd_segment_slots(p.T, p.N, finest) : gdn_fwd_inner_segment_slots(p.T, finest);
-  const int splits = kOutput ? p.walk_splits : p.summary_splits;
-  return splits == 2 ? launch_walk_ctas<kOutput, 1>(p, items, stream) : launch_walk_ctas<kOutput, 2>(p, items, stream);
+  const int64_t items =
+      kSegmentWalk ? gdn_fwd_segment_slots(p.T, p.N, finest) : gdn_fwd_inner_segment_slots(p.T, finest);
+  const int splits = kSegmentWalk ? p.walk_splits : p.summary_splits;
+  return splits == 2 ? launch_walk_ctas<kMode, 1>(p, items, stream) : launch_walk_ctas<kMode, 2>(p, items, stream);
 }
 
 }  // namespace
 
-cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) { return launch_walk<true>(p, stream); }
+cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  return launch_walk<WalkMode::kOutput>(p, stream);
+}
 
 cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& p, cudaStream_t stream) {
-  return p.seg_chunks > 0 ? launch_walk<false>(p, stream) : cudaSuccess;
+  return p.seg_chunks > 0 ? launch_walk<WalkMode::kSummary>(p, stream) : cudaSuccess;
+}
+
+cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  if (p.h_tape == nullptr || p.v_new_tape == nullptr) return cudaErrorInvalidValue;
+  return launch_walk<WalkMode::kTape>(p, stream);
 }
 
 }  // namespace cake

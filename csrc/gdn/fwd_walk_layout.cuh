@@ -23,6 +23,14 @@
 
 namespace cake::gdn_walk {
 
+// What a walk computes besides the state S (docs/kernels.md, "Forward stages",
+// "Backward tapes"):
+//   kOutput   o, from the segment's start state; the last segment writes the final state;
+//   kSummary  E_s (from zero, or the initial state) or M_s (from the identity, v = 0);
+//   kTape     the backward's tapes, from the segment's start state as kOutput: h (S^T at
+//             each chunk's start, bf16) and v_new (bf16); no q, P~, o or final state.
+enum class WalkMode { kOutput, kSummary, kTape };
+
 // kStateWgs state warpgroups (2: both halves of the value columns; 1: the CTA's half),
 // then the aux warpgroup.
 template <int kStateWgs>
@@ -76,6 +84,14 @@ constexpr int kBarItem = 12;     // summary mode: the whole CTA between two walk
 // in whole tiles.
 struct WalkMaps {
   CUtensorMap q, k, v, a;
+};
+
+// Tape mode's outputs (GdnFwdArgs::h_tape, v_new_tape; nullptr in the other modes): a
+// kernel parameter of their own after the maps, so that the maps' parameter offset, and
+// with it the other modes' code, is that of a walk without tapes.
+struct WalkTapes {
+  void* h;
+  void* v_new;
 };
 
 }  // namespace cake::gdn_walk

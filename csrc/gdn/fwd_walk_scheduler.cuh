@@ -4,7 +4,7 @@
 // truncation window of a summary (truncation_start), and the persistent queue the summary
 // CTAs take walks from (take_walk).
 //
-// Output mode: one CTA per walk. Summary mode: a persistent grid of at most one CTA per
+// Output and tape modes: one CTA per walk. Summary mode: a persistent grid of at most one CTA per
 // SM, each CTA taking the next walk from p.walk_queue (an integer atomic; the plan zeroed
 // it) until none is left. Why persistent: where no document is cut every summary walk is
 // empty, and a CTA per walk slot (one at a time per SM, for their shared memory) costs
@@ -19,6 +19,7 @@
 #include "common/scan.cuh"
 #include "common/varlen.cuh"
 #include "gdn/chunks.cuh"
+#include "gdn/fwd_walk_layout.cuh"
 #include "gdn/gdn.h"
 
 namespace cake::gdn_walk {
@@ -43,7 +44,7 @@ __device__ __forceinline__ int truncation_start(const float* decay, int64_t HV, 
   return -1;
 }
 
-// One walk: output mode, (segment slot, hv[, half]); summary mode, (inner segment, hv,
+// One walk: output and tape modes, (segment slot, hv[, half]); summary mode, (inner segment, hv,
 // E or M[, half]), inner segments being those that are not their document's last (the
 // half only when split: kStateWgs = 1; the halves are neighbours, so they run together
 // and share their loads of q, k and A in L2). run = false for walks past the real
@@ -56,18 +57,19 @@ struct Walk {
   float* S_end;
 };
 
-template <bool kOutput, int kStateWgs>
-__device__ __forceinline__ Walk find_walk(const GdnFwdArgs& p, int64_t index) {
-  constexpr int kKinds = kOutput ? 1 : 2, kHalves = 3 - kStateWgs;
+template <WalkMode kMode, int kStateWgs>
+__device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index) {
+  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // from the segment's start state (kOutput, kTape)
+  constexpr int kKinds = kSegmentWalk ? 1 : 2, kHalves = 3 - kStateWgs;
   Walk w{};
   w.half = kHalves == 2 ? static_cast<int>(index % 2) : 0;
   const int64_t block = index / kHalves;
-  w.transfer = !kOutput && block % kKinds == 1;  // M_s rather than E_s
+  w.transfer = !kSegmentWalk && block % kKinds == 1;  // M_s rather than E_s
   const int64_t hv = block / kKinds % p.HV;
   w.hv = static_cast<int>(hv);
   const int64_t item = block / kKinds / p.HV;
-  if (item >= p.seg_offsets[p.N] - (kOutput ? 0 : p.N)) return w;
-  const int64_t slot = kOutput ? item : inner_segment_slot(p.seg_offsets, p.N, item);
+  if (item >= p.seg_offsets[p.N] - (kSegmentWalk ? 0 : p.N)) return w;
+  const int64_t slot = kSegmentWalk ? item : inner_segment_slot(p.seg_offsets, p.N, item);
   const SegmentPos sp =
       find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max, slot);
   if (w.transfer && sp.seg == 0) return w;
@@ -76,7 +78,7 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdArgs& p, int64_t index) {
   // first inner segment is seg_offsets[n] - n).
   const int64_t inner = slot - sp.doc;
   int skip = 0;  // chunks of the segment before the walk starts (summary of a truncated cut)
-  if constexpr (!kOutput) {
+  if constexpr (!kSegmentWalk) {
     const int cw = truncation_start(p.chunk_decay + (p.chunk_offsets[sp.doc] + sp.c0) * p.HV + hv, p.HV, sp.nch);
     if (w.transfer && cw >= 0) return w;  // truncated: the chain needs no M_s
     if (!w.transfer && w.half == 0 && threadIdx.x == 0) p.seg_exact[inner * p.HV + hv] = cw < 0;
@@ -86,11 +88,15 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdArgs& p, int64_t index) {
   w.S0 = nullptr;
   if (sp.seg == 0 && !w.transfer && skip == 0) {
     if (p.initial_state != nullptr) w.S0 = p.initial_state + (sp.doc * p.HV + hv) * kMat;
-  } else if (kOutput) {
+  } else if (kSegmentWalk) {
     w.S0 = p.seg_state + ((inner - 1) * p.HV + hv) * kMat;  // the chained start state: the previous segment's
   }
-  if constexpr (kOutput) w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
-  else w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (inner * p.HV + hv) * kMat;
+  if constexpr (kMode == WalkMode::kOutput)
+    w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
+  else if constexpr (kMode == WalkMode::kSummary)
+    w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (inner * p.HV + hv) * kMat;
+  else
+    w.S_end = nullptr;  // kTape: no final state (the tapes only)
 
   const int c0 = sp.c0 + skip;
   w.nch = sp.nch - skip;

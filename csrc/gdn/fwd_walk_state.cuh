@@ -4,7 +4,9 @@
 // registers across a segment's chunks and runs the serial chain S -> U -> X -> S, plus the
 // output of its columns (written by fwd_walk_output.cuh). Summary mode runs the same chain
 // instructions as the output mode (so E_s and M_s round as the uncut walk would) minus
-// Q, P~ and O; M_s's walk reads zeros for V.
+// Q, P~ and O; M_s's walk reads zeros for V. Tape mode runs them minus Q, P~ and O too,
+// and writes the chain's bf16 operands S^T and X as the backward's h and v_new tapes
+// (fwd_walk_tapes.cuh).
 
 #include <cstdint>
 
@@ -16,6 +18,7 @@
 #include "common/wgmma_sm90.cuh"
 #include "gdn/fwd_walk_layout.cuh"
 #include "gdn/fwd_walk_output.cuh"
+#include "gdn/fwd_walk_tapes.cuh"
 #include "gdn/gdn.h"
 
 namespace cake::gdn_walk {
@@ -37,11 +40,14 @@ __device__ __forceinline__ void scale_columns(float (&acc)[32], const float* f, 
 // A state warpgroup (wg of the CTA's): the walk of the 64 value columns of half vh
 // (v0 = 64 vh ..) of one (segment, value head), from S0 (K x V fp32, rows of 128;
 // nullptr: zeros; identity: the K x K identity), to S_end (same layout, or transposed
-// when identity: M_s^T, the layout the chain reads).
-template <bool kOutput, int kStateWgs>
-__device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned char* smem, uint32_t load_bar,
+// when identity: M_s^T, the layout the chain reads). first_slot: the segment's first
+// chunk slot (tape mode: where its tapes go, in `tapes`).
+template <WalkMode kMode, int kStateWgs>
+__device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigned char* smem, uint32_t load_bar,
                                                 int wg, int vh, int64_t hv, int64_t seg_start, int64_t doc_end, int nch,
-                                                const float* S0, bool identity, float* S_end) {
+                                                const float* S0, bool identity, float* S_end, int64_t first_slot,
+                                                WalkTapes tapes) {
+  constexpr bool kOutput = kMode == WalkMode::kOutput, kTape = kMode == WalkMode::kTape;
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix/stmatrix: this lane's matrix and row
@@ -102,7 +108,12 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(o, sfrag[ks], wgmma::desc_k_major(sq, 64, ks), ks > 0);
     }
-    wgmma::commit();  // (an empty group in summary mode keeps the wait counts below)
+    wgmma::commit();  // (an empty group in summary and tape modes keeps the wait counts below)
+    if constexpr (kTape) {  // h: S^T at the chunk's start, while U^T is formed
+      __nv_bfloat16* h_rows = static_cast<__nv_bfloat16*>(tapes.h) +
+                              (((first_slot + c) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp) * kGdnHeadDim;
+      store_h_chunk(sfrag, smem + kQOff + (4 * wg + warp) * 2048, h_rows);
+    }
 
     // (2) Group 3: X = (V^T + W') (A diag(beta))^T with W' = -e^gcum_j U^T, the sum formed
     // in fp32 (one fma per element, in place of U^T) and rounded to bf16 once: one k64
@@ -166,6 +177,12 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdArgs& p, unsigned ch
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(o, xfrag[ks], wgmma::desc_k_major(sp, 64, ks), 1);
       wgmma::commit();
+    }
+    if constexpr (kTape) {  // v_new = X^T, while the state update runs
+      const int64_t t0 = seg_start + static_cast<int64_t>(c) * kGdnChunk;
+      __nv_bfloat16* vn_rows = static_cast<__nv_bfloat16*>(tapes.v_new) +
+                               ((first_slot + c) * p.HV + hv) * kGdnChunk * kGdnHeadDim + v0;
+      store_v_new_chunk(xfrag, st, sv, vn_rows, vh, t0, doc_end);
     }
     wgmma::wait<0>();
     if constexpr (kOutput) wgmma::fence_operands(o);

@@ -56,6 +56,12 @@
 //   chain_docs     [ND] int32                    the documents with a chain (>= 3 segments), in
 //                                                order, then -1 (ND = gdn_fwd_chain_doc_slots)
 //   walk_queue     [1] int32                     the next summary walk to hand out (the plan zeroes it)
+// and for the backward (gdn_bwd_make_plan), after them:
+//   a_unit         [NC, HV, 64, 64] bf16         A itself (the chunk-local gradients' dbeta)
+//   h_tape         [NC, HV, 128, 128] bf16       [slot, hv, v, k] = S_c[k, v], the chunk's start state
+//   v_new_tape     [NC, HV, 64, 128] bf16        v_new (rows past the document's end: 0)
+//   dS_tape        [NC, HV, 128, 128] bf16       the reverse walk's dS (gdn/bwd_walk.h)
+//   dv_new_tape    [NC, HV, 64, 128] bf16        the reverse walk's dv_new
 // with NC = ceil(T / 64) + N chunk slots and NI inner segment slots, the segments that
 // are not their document's last, document n's from index seg_offsets[n] - n on
 // (gdn_fwd_inner_segment_slots; the seg_ workspaces only when seg_chunks > 0). Launch
@@ -74,7 +80,8 @@
 
 namespace cake {
 
-struct GdnFwdArgs {
+// The forward's arguments (every stage's).
+struct GdnFwdCoreArgs {
   const void* q;
   const void* k;
   const void* v;
@@ -107,6 +114,17 @@ struct GdnFwdArgs {
   bool use_qk_l2norm;
 };
 
+// GdnFwdCoreArgs plus what only the backward's recompute (gdn_bwd_tapes_launch) writes;
+// nullptr in the forward. The walk kernel takes the core by value and the tapes as a
+// separate parameter after its tensor maps: the maps (128-byte aligned in the parameter
+// space) follow the core, and a longer struct would move them and so change the
+// forward walk's code.
+struct GdnFwdArgs : GdnFwdCoreArgs {
+  void* a_unit;      // [NC, HV, 64, 64] bf16: A itself (unit lower, no beta), written by the prep if non-null
+  void* h_tape;      // [NC, HV, 128 (v), 128 (k)] bf16: S^T at each chunk's start (the tape walk)
+  void* v_new_tape;  // [NC, HV, 64 (t), 128 (v)] bf16: v_new per chunk, rows past the document's end 0
+};
+
 constexpr int kGdnChunk = 64;     // tokens per chunk: the unit of every GDN workspace and walk step
 constexpr int kGdnHeadDim = 128;  // K = V, the only head dims the kernels take
 constexpr float kL2NormEps = 1e-6f;  // use_qk_l2norm: x / sqrt(|x|^2 + eps), as the PyTorch path
@@ -128,11 +146,21 @@ constexpr float kGdnGateFloor = -128.f;
 // the first launch error. args: shapes, tensors and a GdnPlan applied (plan.h).
 cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
+// The backward's forward-direction recompute ("B1"; docs/kernels.md, "Backward tapes"):
+// plan, prep (with a_unit), summaries and chain as the forward's, then the walk in tape
+// mode, so the tapes are those of the forward's own walk (same plan, same start states,
+// same instructions). args: a backward plan applied (gdn_bwd_make_plan, plan.h); o and
+// final_state are not read or written. Writes, per used chunk slot (< chunk_offsets[N])
+// and value head, every element of h_tape, v_new_tape, a, a_unit, gcum (and qk_lrn with
+// use_qk_l2norm); later slots are left unwritten.
+cudaError_t gdn_bwd_tapes_launch(const GdnFwdArgs& args, cudaStream_t stream);
+
 // The stages (also usable alone, e.g. by a backward that recomputes the forward).
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);  // the walk in tape mode
 
 }  // namespace cake

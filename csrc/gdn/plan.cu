@@ -203,6 +203,23 @@ GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_
   return p;
 }
 
+GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
+                          int sm_count, int segment_chunks, int value_splits) {
+  GdnPlan p = gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, segment_chunks, value_splits);
+  p.backward = true;
+  const int64_t tiles = p.chunk_slots * HV;  // (chunk slot, value head) tiles
+  constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2, kChunkTile = kGdnChunk * kGdnHeadDim * 2;
+  Carve c{p.ws.bytes};
+  GdnWorkspaceLayout& w = p.ws;
+  w.a_unit = c.take(tiles * kGdnChunk * kGdnChunk * 2);
+  w.h_tape = c.take(tiles * kStateTile);
+  w.v_new_tape = c.take(tiles * kChunkTile);
+  w.dS_tape = c.take(tiles * kStateTile);
+  w.dv_new_tape = c.take(tiles * kChunkTile);
+  w.bytes = c.bytes;
+  return p;
+}
+
 void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a) {
   unsigned char* base = static_cast<unsigned char*>(workspace);
   const GdnWorkspaceLayout& w = plan.ws;
@@ -218,6 +235,9 @@ void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a) {
   a.seg_exact = inner ? reinterpret_cast<int32_t*>(base + w.seg_exact) : nullptr;
   a.chain_docs = cut ? reinterpret_cast<int32_t*>(base + w.chain_docs) : nullptr;
   a.walk_queue = cut ? reinterpret_cast<int32_t*>(base + w.walk_queue) : nullptr;
+  a.a_unit = plan.backward ? base + w.a_unit : nullptr;
+  a.h_tape = plan.backward ? base + w.h_tape : nullptr;
+  a.v_new_tape = plan.backward ? base + w.v_new_tape : nullptr;
   a.T = plan.T;
   a.N = plan.N;
   a.H = plan.H;

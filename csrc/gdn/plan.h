@@ -62,10 +62,15 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
 int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic);
 
 // Byte offsets of the workspace pieces (gdn.h) in one buffer, each 256-byte aligned; a
-// piece that the call does not use has 0 bytes (its pointer is set to nullptr).
+// piece that the call does not use has 0 bytes (its pointer is set to nullptr). The
+// backward's pieces (gdn_bwd_make_plan; 0 bytes in a forward plan) follow the forward's,
+// so one buffer serves the whole backward: the recompute's (gdn_bwd_tapes_launch)
+// a_unit, h_tape, v_new_tape, and the reverse walk's tapes (gdn/bwd_walk.h) dS_tape
+// [NC, HV, 128, 128] and dv_new_tape [NC, HV, 64, 128], bf16.
 struct GdnWorkspaceLayout {
   int64_t chunk_offsets, seg_offsets, seg_state, seg_transfer, seg_exact, chain_docs, walk_queue;
   int64_t a, gcum, chunk_decay, qk_lrn;
+  int64_t a_unit, h_tape, v_new_tape, dS_tape, dv_new_tape;  // the backward's
   int64_t bytes;  // the buffer's size
 };
 
@@ -81,6 +86,7 @@ struct GdnPlan {
   int64_t chunk_slots;        // NC
   int64_t inner_slots;        // NI: the seg_ workspaces' segments
   int64_t chain_slots;        // ND
+  bool backward;              // the layout has the backward's pieces (gdn_bwd_make_plan)
   GdnWorkspaceLayout ws;
 };
 
@@ -93,8 +99,14 @@ struct GdnPlan {
 GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
                           int sm_count, int segment_chunks = -1, int value_splits = -1);
 
+// The backward's plan: the forward's (the same cut grid and splits for the same arguments,
+// so its recompute walks as the forward did) with the backward's workspace pieces added.
+GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
+                          int sm_count, int segment_chunks = -1, int value_splits = -1);
+
 // Sets args' plan fields (seg_chunks, seg_long_max, splits, sm_count, shapes) and points
-// its workspace pointers into `workspace` (plan.ws.bytes bytes, 256-byte aligned).
+// its workspace pointers into `workspace` (plan.ws.bytes bytes, 256-byte aligned); the
+// backward's (a_unit, h_tape, v_new_tape) only for a backward plan, else nullptr.
 void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& args);
 
 }  // namespace cake

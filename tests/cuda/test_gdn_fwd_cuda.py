@@ -8,7 +8,6 @@ exact and truncated cuts; the deterministic grid; the same bits on 16 and 64 SMs
 against FP64). Every test is marked ``gpu`` and skipped without a Hopper GPU.
 """
 
-import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -23,6 +22,7 @@ from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
 from cases import GdnCase
+from green_contexts import on_green_context, timed
 from conftest import record_accuracy
 
 pytestmark = pytest.mark.gpu
@@ -343,45 +343,6 @@ def test_bitwise_deterministic(ops):
     assert torch.equal(o1, o2) and torch.equal(h1, h2)
 
 
-def _on_green_context(num_sms, fn, repeats):
-    """fn() run `repeats` times on a CUDA green context of num_sms SMs (kernels launched
-    on its stream run on those SMs only): the last result and the best time in ms. Skips
-    where this torch or driver has no green contexts. torch 2.12+ hands out the context's
-    stream; 2.10-2.11 make it current with set_context."""
-    green = getattr(torch.cuda, "green_contexts", None)
-    if green is None or not getattr(green, "SUPPORTED", False):
-        pytest.skip("this torch has no CUDA green contexts")
-    try:
-        ctx = green.GreenContext.create(num_sms=num_sms, device_id=torch.cuda.current_device())
-    except RuntimeError as e:
-        pytest.skip(f"no green context of {num_sms} SMs here: {e}")
-    torch.cuda.synchronize()
-    stream = ctx.Stream() if hasattr(ctx, "Stream") else None
-    if stream is None:
-        ctx.set_context()
-    try:
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            result, best = _timed(fn, repeats)
-    finally:
-        torch.cuda.synchronize()
-        if stream is None:
-            ctx.pop_context()
-    return result, best
-
-
-def _timed(fn, repeats):
-    """fn() run `repeats` times on the current stream: the last result and the best time in ms."""
-    best = float("inf")
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return result, best
-
-
 def test_deterministic_bits_do_not_depend_on_the_sm_count(ops):
     """deterministic=True on the whole GPU and on green contexts of 64 and 16 SMs: bitwise
     the same o and final state. The plan reads the device's SM count (value splits, the
@@ -392,9 +353,9 @@ def test_deterministic_bits_do_not_depend_on_the_sm_count(ops):
     case = GdnCase("sm_count", (64 * 256 + 37, 64 * 70 + 3, 4096), H=4, G=4, gate="slow", l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=46)
     run = lambda: _call(ops, inp, l2)  # noqa: E731
-    (o_full, h_full), ms_full = _timed(run, 3)
+    (o_full, h_full), ms_full = timed(run, 3)
     for num_sms in (64, 16):
-        (o, h), ms = _on_green_context(num_sms, run, 3)
+        (o, h), ms = on_green_context(num_sms, run, 3)
         assert torch.equal(o, o_full) and torch.equal(h, h_full), f"{num_sms} SMs: other bits than the whole GPU's"
         if num_sms == 16:
             assert ms >= 2 * ms_full, f"16 SMs took {ms:.3f} ms, the whole GPU {ms_full:.3f} ms: not held to 16 SMs?"

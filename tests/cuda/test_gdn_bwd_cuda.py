@@ -1,0 +1,249 @@
+"""The CUDA GDN backward end to end (``torch.ops.cake_cuda.gdn_bwd`` and ``cake::gdn_bwd``
+on Hopper: the tape walk, the reverse walk and the chunk-local gradients of csrc/gdn/).
+
+Every gradient against FP64 autograd of the token-by-token reference (docs/contract.md,
+Accuracy) under NaN-poisoned allocation, over the contract's cases; bitwise repeats, a
+document's bits alone = packed, the same bits on 16 and 64 SMs, the forward's cut grid
+and value split, the whole training step of a GDN layer in one CUDA graph and under
+torch.compile(fullgraph=True). Every test is marked ``gpu``.
+"""
+
+import random
+
+import pytest
+import torch
+
+import cake_ops
+from cake_ops import build, dispatch
+from cake_ops.reference import gdn_reference
+from cake_ops.testing import accuracy, poisoned_allocations
+
+from cases import GdnCase, params
+from conftest import record_accuracy
+from green_contexts import on_green_context, timed
+
+pytestmark = pytest.mark.gpu
+
+EDGES = (0, 1, 63, 64, 65)
+_rng = random.Random(7)
+CASES = [
+    GdnCase("edges_l2_h0", EDGES + (130,), H=2, l2norm=True, initial_state=True),
+    GdnCase("edges_unit_keys", EDGES + (200,), H=2),
+    GdnCase("pack_gva2_bf16beta_l2", tuple(_rng.randint(1, 300) for _ in range(6)), H=2, G=2,
+            beta_dtype=torch.bfloat16, l2norm=True),
+    GdnCase("gva3_strong_extreme_l2_h0", (65, 1, 300), G=3, gate="strong", beta="extreme", l2norm=True,
+            initial_state=True),
+    GdnCase("gva3_slow_extreme_h0", (64, 130, 7), H=2, G=3, gate="slow", beta="extreme", initial_state=True),
+    GdnCase("long_doc_cut_l2_h0", (64 * 70 + 5,), G=2, gate="slow", l2norm=True, initial_state=True,
+            cu_dtype=torch.int64),
+    GdnCase("empty_docs_l2", (0, 70, 0, 3, 0), G=2, beta="extreme", l2norm=True, initial_state=True),
+]
+LEAVES = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+@pytest.fixture(scope="module")
+def ops():
+    if not build.available():
+        pytest.skip(build.unavailable_reason())
+    return build.load()
+
+
+def _grad_inputs(inp, seed):
+    gen = torch.Generator().manual_seed(seed)
+    T, HV, V = inp["v"].shape
+    N = inp["cu_seqlens"].shape[0] - 1
+    do = torch.randn(T, HV, V, generator=gen).to("cuda", torch.bfloat16)
+    dht = torch.randn(N, HV, V, V, generator=gen).cuda()
+    return do, dht
+
+
+def _bwd(ops, inp, l2, do, dht, deterministic=True, segment_chunks=-1, value_splits=-1):
+    return ops.gdn_bwd(do, dht, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
+                       inp["initial_state"], 128**-0.5, l2, deterministic, segment_chunks, value_splits)
+
+
+def _reference_grads(inp, l2, do, dht):
+    ref = {n: inp[n].detach().cpu().double().requires_grad_() for n in LEAVES if inp[n] is not None}
+    o, ht = gdn_reference(*(ref[n] for n in LEAVES[:5]), inp["cu_seqlens"].cpu(),
+                          initial_state=ref.get("initial_state"), use_qk_l2norm=l2)
+    torch.autograd.backward([o, ht], [do.cpu().double(), dht.cpu().double()])
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    return {d: ref[n].grad for d, n in zip(names, LEAVES) if n in ref}
+
+
+@pytest.mark.parametrize("case", params(CASES))
+def test_every_gradient_matches_fp64(ops, case):
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, case.seed)
+    with poisoned_allocations():
+        grads = _bwd(ops, inp, case.l2norm, do, dht)
+    ref = _reference_grads(inp, case.l2norm, do, dht)
+    names = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
+    failures = []
+    for name, x in zip(names, grads):
+        if name == "dbeta":
+            assert x.dtype == case.beta_dtype
+        if name not in ref:  # no initial state: dh0 is still written (the op drops it)
+            assert torch.isfinite(x).all()
+            continue
+        acc = accuracy(x, ref[name])
+        record_accuracy(f"cuda gdn_bwd {name}", acc)
+        if not acc.ok:
+            failures.append(f"{name}: {acc}")
+    assert not failures, f"{case.id}: " + "; ".join(failures)
+
+
+def test_without_final_state_gradient(ops):
+    case = CASES[0]
+    inp = case.inputs("cuda")
+    do, _ = _grad_inputs(inp, 3)
+    with poisoned_allocations():
+        grads = _bwd(ops, inp, case.l2norm, do, None)
+    ref = _reference_grads(inp, case.l2norm, do, torch.zeros(inp["initial_state"].shape, device="cuda"))
+    for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+        assert accuracy(x, ref[name]).ok, name
+
+
+def test_bitwise_repeats_and_every_plan_alike(ops):
+    """Repeats are bitwise equal; so are the forward's value splits, and the cut grid
+    forced to every 2 chunks gives the contract's accuracy (its tapes are the forward's)."""
+    case = CASES[5]
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, 4)
+    first = _bwd(ops, inp, case.l2norm, do, dht)
+    for again in (_bwd(ops, inp, case.l2norm, do, dht), _bwd(ops, inp, case.l2norm, do, dht, value_splits=1),
+                  _bwd(ops, inp, case.l2norm, do, dht, value_splits=2)):
+        assert all(torch.equal(a, b) for a, b in zip(first, again))
+    cut = _bwd(ops, inp, case.l2norm, do, dht, segment_chunks=2)
+    ref = _reference_grads(inp, case.l2norm, do, dht)
+    for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), cut):
+        assert accuracy(x, ref[name]).ok, name
+
+
+def test_document_bits_alone_equal_packed(ops):
+    """A document's gradients are bitwise the same alone and packed with others."""
+    case = GdnCase("iso", (65, 4100, 37), G=2, gate="slow", l2norm=True, initial_state=True)
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, 5)
+    packed = _bwd(ops, inp, True, do, dht)
+    t0, t1 = 65, 65 + 4100
+    alone_inp = {n: (inp[n][t0:t1] if n not in ("initial_state", "cu_seqlens") else None) for n in inp}
+    alone_inp["initial_state"] = inp["initial_state"][1:2]
+    alone_inp["cu_seqlens"] = torch.tensor([0, t1 - t0], dtype=inp["cu_seqlens"].dtype, device="cuda")
+    alone = _bwd(ops, alone_inp, True, do[t0:t1].contiguous(), dht[1:2].contiguous())
+    for name, p, a in zip(("dq", "dk", "dv", "dg", "dbeta"), packed[:5], alone[:5]):
+        assert torch.equal(p[t0:t1], a), name
+    assert torch.equal(packed[5][1:2], alone[5])
+
+
+def test_deterministic_bits_do_not_depend_on_the_sm_count(ops):
+    """The backward on the whole GPU and on green contexts of 64 and 16 SMs: bitwise the
+    same gradients (the tapes walk with the forward's plan, which reads the SM count)."""
+    case = GdnCase("sm_count", (64 * 256 + 37, 64 * 70 + 3, 4096), H=2, G=2, gate="slow", l2norm=True,
+                   initial_state=True)
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, 6)
+    run = lambda: _bwd(ops, inp, True, do, dht)  # noqa: E731
+    full, ms_full = timed(run, 2)
+    for num_sms in (64, 16):
+        got, ms = on_green_context(num_sms, run, 2)
+        assert all(torch.equal(a, b) for a, b in zip(got, full)), f"{num_sms} SMs: other bits"
+        if num_sms == 16:
+            assert ms >= 2 * ms_full, f"16 SMs took {ms:.3f} ms, the whole GPU {ms_full:.3f}: not held?"
+
+
+def test_nondeterministic_plan_within_contract(ops):
+    case = CASES[3]
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, 8)
+    grads = _bwd(ops, inp, case.l2norm, do, dht, deterministic=False)
+    again = _bwd(ops, inp, case.l2norm, do, dht, deterministic=False)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))  # reproducible for a fixed plan
+    ref = _reference_grads(inp, case.l2norm, do, dht)
+    for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+        assert accuracy(x, ref[name]).ok, name
+
+
+def test_full_reset_gate(ops):
+    """g = -inf resets the state: every gradient is the FP64 recurrence's, dg 0 there."""
+    case = GdnCase("resets", (70, 300, 5), G=2, l2norm=True, initial_state=True)
+    inp = case.inputs("cuda")
+    resets = [0, 30, 70 + 63, 70 + 64, 70 + 200, 370]
+    inp["g"] = inp["g"].clone()
+    inp["g"][resets] = float("-inf")
+    do, dht = _grad_inputs(inp, 9)
+    with poisoned_allocations():
+        grads = _bwd(ops, inp, True, do, dht)
+    ref = _reference_grads(inp, True, do, dht)
+    for name, x in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+        acc = accuracy(x, ref[name])
+        record_accuracy(f"cuda gdn_bwd {name} (g = -inf)", acc)
+        assert acc.ok, f"{name}: {acc}"
+    assert not grads[3][resets].any()
+
+
+def test_op_dispatches_its_backward_to_cuda(ops):
+    """cake_ops.gdn's autograd runs the CUDA backward for a call the rule takes (bitwise
+    the binding's result), and the PyTorch one for a call it refuses (fp16 here)."""
+    case = CASES[2]
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, 10)
+    args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
+    assert dispatch.gdn_bwd_cuda_refusal(do, dht, *args, 128**-0.5) is None
+    leaves = {n: inp[n].clone().requires_grad_() for n in LEAVES[:5]}
+    o, ht = cake_ops.gdn(*(leaves[n] for n in LEAVES[:5]), inp["cu_seqlens"], output_final_state=True,
+                         use_qk_l2norm=True)
+    torch.autograd.backward([o, ht], [do, dht])
+    direct = _bwd(ops, inp, True, do, dht)
+    for n, d in zip(LEAVES[:5], direct[:5]):
+        assert torch.equal(leaves[n].grad, d), n
+    assert dispatch.gdn_bwd_cuda_refusal(do.half(), dht, *[a.half() if a.dtype == torch.bfloat16 else a
+                                                           for a in args], 128**-0.5) is not None
+
+
+def _layer_step(layer, x, cu):
+    y = layer(x, cu)
+    loss = y.float().square().mean()
+    grads = torch.autograd.grad(loss, [x] + list(layer.parameters()))
+    return (loss.detach(),) + grads
+
+
+def _layer_and_batch(seed):
+    torch.manual_seed(seed)
+    layer = cake_ops.GatedDeltaNet(hidden_size=256, num_heads=2, num_v_heads=4).cuda().bfloat16()
+    x = torch.randn(1, 700, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    cu = torch.tensor([0, 100, 101, 500, 700], dtype=torch.int32, device="cuda")
+    return layer, x, cu
+
+
+def test_training_step_replays_in_one_cuda_graph(ops):
+    """A GDN layer's forward and backward (short conv and GDN on their CUDA kernels)
+    captured in one CUDA graph replays bitwise equal to eager: no host sync inside."""
+    layer, x, cu = _layer_and_batch(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _layer_step(layer, x, cu)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = _layer_step(layer, x, cu)
+    with torch.no_grad():
+        x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    eager = _layer_step(layer, x, cu)
+    for a, b in zip(captured, eager):
+        assert torch.equal(a, b)
+
+
+def test_training_step_compiles_to_one_graph(ops):
+    """torch.compile(fullgraph=True) of the layer (its forward, and the backward AOT
+    autograd derives from it, with the CUDA kernels inside) gives eager's gradients."""
+    torch._dynamo.reset()
+    layer, x, cu = _layer_and_batch(1)
+    eager = _layer_step(layer, x, cu)
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got = _layer_step(compiled, x, cu)
+    for a, b in zip(got, eager):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
