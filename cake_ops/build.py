@@ -171,7 +171,7 @@ def write_units(root: Path, directory: Path) -> list[Path]:
     return paths
 
 
-def _nvcc() -> str | None:
+def nvcc() -> str | None:
     """The nvcc torch's build will run (``$CUDA_HOME/bin/nvcc``), else the one on PATH.
 
     A CPU build of torch has no CUDA_HOME; the PATH nvcc then still names the
@@ -210,7 +210,7 @@ def build_key(
         "include_dirs": list(INCLUDE_DIRS),
         "torch": torch.__version__,
         "torch_cuda": torch.version.cuda,
-        "nvcc": _nvcc_version(_nvcc()),
+        "nvcc": _nvcc_version(nvcc()),
         # The extension links libtorch_python, built per Python version.
         "python": list(sys.version_info[:2]),
     }
@@ -242,7 +242,7 @@ def unavailable_reason() -> str | None:
                 f"{major}.{minor}, but the kernels are built for sm_90a only (Hopper: "
                 "H100/H200); run on Hopper, or use the PyTorch implementation"
             )
-    if _nvcc() is None:
+    if nvcc() is None:
         where = (
             f"{cpp_extension.CUDA_HOME}/bin/nvcc does not exist"
             if cpp_extension.CUDA_HOME

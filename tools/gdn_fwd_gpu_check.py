@@ -9,8 +9,8 @@ Stages, each guarded so that one failure does not hide the others:
   2. build: cake_ops.build.load() (JIT, cached), plus ptxas register / spill lines and
      the tensor-core instructions (HGMMA, HMMA) of the kernels, compiled again here with -Xptxas -v;
   3. tests: tests/cuda/test_gdn_fwd_cuda.py through pytest.main (accuracy against FP64,
-     determinism, CUDA graphs, the six BENCH shapes against FP64);
-  4. timing: the six BENCH.md shapes (mamba gate, in-op L2 norm): median of 20
+     determinism, CUDA graphs, the six benchmark shapes against FP64);
+  4. timing: the six benchmark shapes (docs/benchmark.md, Shapes) (mamba gate, in-op L2 norm): median of 20
      CUDA-event-timed calls after warm-up, then per-kernel device time from
      torch.profiler in a second pass (CUPTI slows launches once attached), against
      the FLOP floor at 790 TFLOP/s; for the deterministic and the non-deterministic plan,

@@ -3,7 +3,7 @@
 
     python tools/prep_merge_precision.py [--chunks 20] [--decay 0.1]   # CPU, a few seconds
 
-The prep (csrc/gdn_fwd_prep.cu) forms A = (I + L)^-1 of a chunk blocked 16 x 16: the
+The prep (csrc/gdn/fwd_prep.cu) forms A = (I + L)^-1 of a chunk blocked 16 x 16: the
 diagonal blocks in fp32 FMA, then A_WJ = -A_WW sum_K L_WK A_KJ on tensor cores. This
 emulates that order (diagonal blocks exact, merges with their operands as the tensor
 cores take them, fp32 sums), folds in beta and rounds to bf16 as the walk reads it, and

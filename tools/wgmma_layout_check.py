@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Checks the wgmma building blocks of csrc/wgmma_sm90.cuh against torch on a Hopper GPU.
+"""Checks the wgmma building blocks of csrc/common/wgmma_sm90.cuh against torch on a Hopper GPU.
 
     python tools/wgmma_layout_check.py
 
@@ -23,8 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CUDA_SRC = r"""
 #include <cuda_bf16.h>
 #include <torch/extension.h>
-#include "wgmma_sm90.cuh"
-#include "mma_sm80.cuh"
+#include "common/mma_sm80.cuh"
+#include "common/swizzle.cuh"
+#include "common/wgmma_sm90.cuh"
 
 using namespace cake;
 
@@ -32,7 +33,7 @@ using namespace cake;
 __device__ void to_tile(unsigned char* tile, const __nv_bfloat16* m, int rows, int cols) {
   for (int idx = threadIdx.x; idx < rows * cols / 8; idx += blockDim.x) {
     const int r = idx / (cols / 8), ch = idx % (cols / 8);
-    *reinterpret_cast<uint4*>(tile + wgmma::sw128_offset(rows, r, ch)) =
+    *reinterpret_cast<uint4*>(tile + sw128_offset(rows, r, ch)) =
         *reinterpret_cast<const uint4*>(m + r * cols + ch * 8);
   }
 }
@@ -56,7 +57,7 @@ __global__ void probe(const __nv_bfloat16* a, const __nv_bfloat16* b, float* d, 
   for (int s = 0; s < ka / 16; ++s) {
     const int r0 = 16 * warp + gid, c0 = 16 * s + 2 * t4;
     auto pair = [&](int r, int c) {
-      return wgmma::pack_bf16(__bfloat162float(a[r * ka + c]), __bfloat162float(a[r * ka + c + 1]));
+      return mma::pack_bf16(__bfloat162float(a[r * ka + c]), __bfloat162float(a[r * ka + c + 1]));
     };
     af[s][0] = pair(r0, c0);
     af[s][1] = pair(r0 + 8, c0);

@@ -48,11 +48,11 @@ def _short_conv_fwd_cuda(x, weight, bias, cu_seqlens, initial_state, silu):
         return pytorch_short_conv.short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
     from .. import build
 
-    weight, bias, initial_state = _kernel_dtypes(x, weight, bias, initial_state)
+    weight, bias, initial_state = kernel_dtypes(x, weight, bias, initial_state)
     return build.load().short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
 
 
-def _kernel_dtypes(x, weight, bias, initial_state):
+def kernel_dtypes(x, weight, bias, initial_state):
     """weight, bias and initial_state in the dtypes the CUDA kernels read: the weight in fp32
     unless it has x's dtype (and the bias its dtype), the bias in the weight's dtype, the
     initial state in fp32 unless it has x's dtype. Every cast is exact: only fp16 and bf16
@@ -91,7 +91,7 @@ def _short_conv_bwd_cuda(dy, x, weight, bias, cu_seqlens, initial_state, silu):
         return pytorch_short_conv.short_conv_bwd(dy, x, weight, bias, cu_seqlens, initial_state, silu)
     from .. import build
 
-    k_weight, k_bias, k_state = _kernel_dtypes(x, weight, bias, initial_state)
+    k_weight, k_bias, k_state = kernel_dtypes(x, weight, bias, initial_state)
     dx, dweight, dbias, dinit = build.load().short_conv_bwd(dy, x, k_weight, k_bias, cu_seqlens, k_state, silu)
     return (
         dx,

@@ -271,7 +271,7 @@ def test_torch_builds_each_unit_into_its_own_object(tree, tmp_path, monkeypatch)
 def test_units_compile_with_nvcc(tree, tmp_path):
     """Each .cu unit compiles from the build directory, its includes found from the
     csrc root; the two fwd.cu give two objects with their own kernels."""
-    nvcc = build._nvcc()
+    nvcc = build.nvcc()
     if nvcc is None:
         pytest.skip("no nvcc")
     units = [u for u in build.write_units(tree, tmp_path / build.UNITS) if u.suffix == ".cu"]

@@ -15,7 +15,7 @@ import torch
 
 from cake_ops import build
 from cake_ops.pytorch import gdn as pytorch_gdn
-from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
+from cake_ops.testing import accuracy, poisoned_allocations
 from cake_ops.varlen import from_chunks, to_chunks
 
 from cases import GdnCase

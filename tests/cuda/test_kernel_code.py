@@ -27,7 +27,7 @@ _STORE_32 = re.compile(r"^\s*st\.global\.[busf]32\s+\[(%rd\d+)(?:\+(\d+))?\]")
 
 @pytest.fixture(scope="module")
 def nvcc():
-    path = build._nvcc()
+    path = build.nvcc()
     if path is None:
         pytest.skip("no nvcc")
     return path

@@ -15,7 +15,7 @@ import torch
 
 import cake_ops
 from cake_ops import build, dispatch
-from cake_ops.ops.short_conv import _kernel_dtypes
+from cake_ops.ops.short_conv import kernel_dtypes
 from cake_ops.pytorch import short_conv as pytorch_short_conv
 from cake_ops.reference import short_conv_reference
 from cake_ops.testing import accuracy, poisoned_allocations
@@ -159,7 +159,7 @@ def test_short_conv_bwd_op_every_parameter_dtype(weight_dtype, state_dtype):
     assert [g.dtype for g in grads] == [g.dtype for g in torch_grads]
     _check_against_reference(grads, inputs, True, f"weight {weight_dtype}, state {state_dtype}")
 
-    weight, bias, state = _kernel_dtypes(inputs["x"], inputs["weight"], inputs["bias"], inputs["initial_state"])
+    weight, bias, state = kernel_dtypes(inputs["x"], inputs["weight"], inputs["bias"], inputs["initial_state"])
     assert weight.dtype == bias.dtype == torch.float32  # the bias never has the weight's dtype here
     assert state.dtype == (torch.float32 if state_dtype == torch.float16 else state_dtype)
     cast = {**inputs, "weight": weight, "bias": bias, "initial_state": state}
