@@ -1,7 +1,8 @@
 #pragma once
 
-// The GDN ("Gated DeltaNet") forward on sm_90a: the one argument struct of its stages,
-// their constants and launchers. Torch-free (the binding, gdn/binding.cpp, is the only
+// The GDN ("Gated DeltaNet") kernels on sm_90a: the one argument struct of the forward's
+// stages (which the backward's tape walk reuses), their constants and launchers; the
+// backward's own stages are declared in bwd_walk.h and bwd_local.h. Torch-free (the binding, gdn/binding.cpp, is the only
 // torch-side file). Math: docs/math.md ("The recurrence", "Chunked form"); the stages:
 // docs/kernels.md ("Forward stages").
 //
@@ -13,7 +14,7 @@
 //   prep       per (chunk, q/k head): K K^T; per value head: gcum and
 //              A diag(beta), A = (I + tril(beta_i e^(gcum_i - gcum_j) k_i.k_j, -1))^-1;
 //              with use_qk_l2norm the rows' inverse norms (fwd_prep.cu)
-//                                          ~ FLA chunk_local_cumsum + chunk_scaled_dot_kkt
+//                                          ~ FLA chunk_local_cumsum + chunk_scaled_dot_kkt_fwd
 //                                            + solve_tril (the norms: l2norm_fwd, not applied)
 //   walk       per (segment, value head), S^T in registers across chunks (fwd_walk.cu):
 //              v_new = A diag(beta) (v - e^gcum (k S)),  o = scale e^gcum (q S) + P~ v_new,
@@ -25,6 +26,14 @@
 //   chain      S_start(s + 1) = M_s S_start(s) + E_s in order, fp32 (fwd_chain.cu)
 //                                          ~ (summaries + chain) the segment transfers of FLA's
 //                                            context-parallel pre-pass, chained
+//   tape walk  the walk again in tape mode for the backward: S^T at each chunk's start
+//              and v_new (fwd_walk_tapes.cuh)   ~ FLA recompute_w_u_fwd + chunk_gated_delta_rule_fwd_h
+//   reverse walk  dS walked back per (document, value head): dv_new = P^T do + K~ dS,
+//              dS <- e^gl dS + Q~^T do - w^T dv_new (bwd_walk.cu)
+//                                          ~ FLA chunk_bwd_dv_local + chunk_gated_delta_rule_bwd_dhu
+//   local gradients  per (chunk, q/k head): dq, dk, dv, dbeta, dg from the tapes
+//              (bwd_local.cu)              ~ FLA chunk_bwd_dqkwg + prepare_wy_repr_bwd
+//                                            + chunk_local_cumsum (reverse) + l2norm_bwd
 // Segments: every document is cut at a grid of seg_chunks chunks counted from its start
 // (chunks.cuh, doc_cut_chunks; docs/kernels.md, "Plan and cut grid"); at a truncated cut
 // the summary walks E_s over a window only and forms no M_s (docs/kernels.md,
