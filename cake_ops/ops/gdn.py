@@ -112,7 +112,7 @@ def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, u
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)
     deterministic = effective_deterministic(deterministic)
-    if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale) is not None:
+    if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale, initial_state) is not None:
         check_cu_seqlens_values(cu_seqlens, T)
         return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
     from .. import build

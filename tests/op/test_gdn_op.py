@@ -307,3 +307,29 @@ def test_gdn_batched_with_cu_seqlens_refused():
         cake_ops.gdn(q, q, q.repeat(1, 1, 2, 1), torch.zeros(2, 45, 4) - 1, torch.rand(2, 45, 4), i["cu_seqlens"])
 
 
+
+
+def test_cuda_rules_by_condition(monkeypatch):
+    """The dispatch rules condition by condition, with the kernels taken as available (on
+    this machine they are not): the forward takes bf16, K = V = 128, a finite scale > 0;
+    the backward besides needs do in bf16, dht in fp32 and no initial state (its dg would
+    miss the contract there: tools/gdn_bwd_tape_precision.py)."""
+    from cake_ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_kernels_unavailable", lambda: None)
+    i = make_gdn_inputs([5, 64, 30], 1, 2, 128, 128, initial_state=True, seed=3)
+    args = [i[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
+    do = torch.randn_like(i["v"].float()).bfloat16()
+    dht = torch.randn(3, 2, 128, 128)
+    assert dispatch.gdn_fwd_cuda_refusal(*args, 0.1) is None
+    assert "scale" in dispatch.gdn_fwd_cuda_refusal(*args, float("nan"))
+    assert "scale" in dispatch.gdn_fwd_cuda_refusal(*args, -0.1)
+    assert "bf16" in dispatch.gdn_fwd_cuda_refusal(*[a.half() if a.dtype == torch.bfloat16 else a for a in args], 0.1)
+    small = make_gdn_inputs([5, 64, 30], 1, 2, 64, 64, seed=3)
+    assert "head dims" in dispatch.gdn_fwd_cuda_refusal(*(small[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), 0.1)
+    assert dispatch.gdn_bwd_cuda_refusal(do, dht, *args, 0.1) is None
+    assert dispatch.gdn_bwd_cuda_refusal(do, None, *args, 0.1) is None
+    assert "initial state" in dispatch.gdn_bwd_cuda_refusal(do, dht, *args, 0.1, i["initial_state"])
+    assert "gradient of o" in dispatch.gdn_bwd_cuda_refusal(do.float(), dht, *args, 0.1)
+    assert "final state" in dispatch.gdn_bwd_cuda_refusal(do, dht.double(), *args, 0.1)
+    assert dispatch.short_conv_fwd_cuda_refusal(i["q"]) is None

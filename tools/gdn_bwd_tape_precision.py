@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""Error of the backward's gradients by the precision of its tapes, emulated on the CPU.
+
+    python tools/gdn_bwd_tape_precision.py [--cases edges,slow]   # CPU, seconds a case
+
+The CUDA backward (docs/kernels.md, "Backward") keeps four tapes per chunk and value head
+in bf16: h (the state at the chunk's start), v_new, dS (the state gradient at the chunk's
+end) and dv_new. This takes the PyTorch path's fp32 tapes (cake_ops.pytorch.gdn
+walk_tapes), rounds some or all of them to bf16, forms the chunk-local gradients in fp32
+(local_gradients) and prints each gradient's rel-RMS against FP64 autograd of the
+token-by-token reference: what the tapes' rounding alone costs, tape by tape, apart from
+the kernels' other bf16 operands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from cake_ops.pytorch import gdn as pytorch_gdn  # noqa: E402
+from cake_ops.reference import gdn_reference  # noqa: E402
+from cake_ops.testing import accuracy, make_gdn_inputs  # noqa: E402
+
+# name -> (lengths, H, G, gate, beta, use_qk_l2norm): small versions of the GPU test cases.
+CASES = {
+    "edges": ((1, 63, 64, 65, 130), 2, 1, "normal", "uniform", True),
+    "gva3_strong": ((65, 1, 300), 1, 3, "strong", "extreme", True),
+    "slow": ((64, 130, 7), 2, 3, "slow", "extreme", False),
+    "slow_long": ((64 * 70 + 5,), 1, 2, "slow", "uniform", True),
+}
+TAPES = ("h", "v_new", "dS_end", "dv_new")
+VARIANTS = {"fp32": (), "bf16 all": TAPES, "bf16 h": ("h",), "bf16 dS": ("dS_end",),
+            "bf16 v_new, dv_new": ("v_new", "dv_new")}
+NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def errors(case: str, seed: int = 0) -> dict[str, dict[str, float]]:
+    """{variant: {gradient: rel-RMS against FP64}} for one case."""
+    lengths, H, G, gate, beta, l2 = CASES[case]
+    inp = make_gdn_inputs(list(lengths), H, H * G, 128, 128, gate=gate, beta=beta, normalized_qk=not l2,
+                          initial_state=True, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    T, HV, V = inp["v"].shape
+    N = len(lengths)
+    do = torch.randn(T, HV, V, generator=gen).bfloat16()
+    dht = torch.randn(N, HV, V, V, generator=gen)
+    scale = 128**-0.5
+    args = [inp[n] for n in ("q", "k", "v", "g", "beta")]
+    prep, rstd = pytorch_gdn.prepare(*args, inp["cu_seqlens"], l2)
+    tapes = pytorch_gdn.walk_tapes(prep, do, dht, inp["initial_state"], scale)
+    ref = [a.double().requires_grad_() for a in args]
+    o, ht = gdn_reference(*ref, inp["cu_seqlens"], initial_state=inp["initial_state"].double(), use_qk_l2norm=l2)
+    torch.autograd.backward([o, ht], [do.double(), dht.double()])
+    out = {}
+    for variant, rounded in VARIANTS.items():
+        t = tapes._replace(**{n: getattr(tapes, n).bfloat16().float() for n in rounded})
+        grads = pytorch_gdn.local_gradients(prep, rstd, t, do, scale, G)
+        out[variant] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    args = parser.parse_args()
+    for case in args.cases.split(","):
+        for variant, errs in errors(case).items():
+            print(f"{case:12s} {variant:20s} " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
