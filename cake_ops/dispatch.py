@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from .pytorch.gdn import CHUNK
+
 # The GDN kernels' head dim (K = V), and their 32-bit coordinate limits: token rows
 # (T < 2^31 - 64) and (chunk slot, value head) tiles ((ceil(T / 64) + N) * HV < 2^31),
 # row strides HV * 128 as 32-bit values (HV < 2^24). Mirrors csrc/gdn/binding.cpp.
@@ -64,7 +66,8 @@ def gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale: float) -> str | No
     if not (math.isfinite(scale) and scale > 0):
         return f"the CUDA kernels take a finite scale > 0, got {scale}"
     T, HV, N = q.shape[0], v.shape[1], cu_seqlens.shape[0] - 1
-    if HV >= 1 << 24 or T >= _INT31 - 64 or ((T + 63) // 64 + N) * HV >= _INT31:
+    slots = -(-T // CHUNK) + N  # chunk slots: ceil(T / 64) + N
+    if HV >= 1 << 24 or T >= _INT31 - CHUNK or slots * HV >= _INT31:
         return f"T = {T}, N = {N}, HV = {HV} exceed the CUDA kernels' 32-bit coordinates"
     return None
 

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-CHUNK = 64
+from ..pytorch.gdn import CHUNK  # the chunk of every GDN implementation here
 # Whole fwd+bwd step (forward, backward, backward's state recompute) over the forward
 # alone: ≈ 43-45 MFLOP per head-chunk, ≈ 3.9x the forward (docs/benchmark.md, Timings).
 FWDBWD_OVER_FWD = 3.9
