@@ -2,7 +2,8 @@
 
 // Warp-level tensor-core and shared-memory building blocks (sm_80+ PTX, used on sm_90a):
 // mma.sync m16n8k16 bf16 -> fp32 and m16n8k8 tf32 -> fp32, ldmatrix / stmatrix, cp.async
-// with zero fill, bf16 packing, named barriers and the MUFU exponential.
+// with zero fill, bf16 packing, accumulator -> A fragment and per-column scaling, named
+// barriers and the MUFU exponential.
 //
 // Fragment layouts of mma.m16n8k16 (lane = 4 * gid + tid4):
 //   A 16x16 (row): a0 (gid,    2*tid4 .. +1)   a1 (gid + 8, 2*tid4 .. +1)
@@ -10,8 +11,8 @@
 //   B 16x8  (col): b0 (k = 2*tid4 .. +1, n = gid)   b1 (k = 2*tid4 + 8 .. +1, n = gid)
 //   C 16x8       : c0, c1 (gid, 2*tid4 .. +1)   c2, c3 (gid + 8, 2*tid4 .. +1)
 // So two C tiles side by side (16x16, fp32) pack (pack_bf16) into one A fragment: an
-// accumulator becomes the next product's left operand without shared memory (the
-// warpgroup form of this is wgmma::to_a_frag).
+// accumulator becomes the next product's left operand without shared memory (to_a_frag;
+// the warpgroup accumulator of wgmma has the same register order, so it serves there too).
 
 #include <cstdint>
 
@@ -27,6 +28,36 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// Accumulator columns 16 j .. 16 j + 15 (n-tiles 2 j, 2 j + 1: registers d[8 j .. 8 j + 7])
+// as the bf16 A fragment of k-step j.
+template <int N>
+__device__ __forceinline__ void to_a_frag(uint32_t (&a)[4], const float (&d)[N], int j) {
+  a[0] = pack_bf16(d[8 * j + 0], d[8 * j + 1]);
+  a[1] = pack_bf16(d[8 * j + 2], d[8 * j + 3]);
+  a[2] = pack_bf16(d[8 * j + 4], d[8 * j + 5]);
+  a[3] = pack_bf16(d[8 * j + 6], d[8 * j + 7]);
+}
+
+// The A fragments of all K k-steps of an accumulator (to_a_frag for j = 0 .. K - 1).
+template <int K, int N>
+__device__ __forceinline__ void to_a_frags(uint32_t (&a)[K][4], const float (&d)[N]) {
+#pragma unroll
+  for (int j = 0; j < K; ++j) to_a_frag(a[j], d, j);
+}
+
+// A 64-column accumulator (8 n-tiles, as mma's or wgmma's: this thread's columns j = 8 jt +
+// 2 t4 (+1)) times the per-column factors f[j] (read where used: registers are scarce).
+__device__ __forceinline__ void scale_columns(float (&acc)[32], const float* f, int t4) {
+#pragma unroll
+  for (int jt = 0; jt < 8; ++jt) {
+    const float2 e = *reinterpret_cast<const float2*>(f + 8 * jt + 2 * t4);
+    acc[4 * jt + 0] *= e.x;
+    acc[4 * jt + 1] *= e.y;
+    acc[4 * jt + 2] *= e.x;
+    acc[4 * jt + 3] *= e.y;
+  }
 }
 
 // d += a * b (m16n8k16, bf16 inputs, fp32 accumulate).

@@ -53,15 +53,10 @@ __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows, int s
   return desc_sw128(tile, rows * 128, 1024) + static_cast<uint32_t>((s * 16 * 128) >> 4);
 }
 
-// Accumulator columns 16 j .. 16 j + 15 (registers d[8j .. 8j + 7]) as the bf16 A fragment
-// of k-step j.
-template <int N>
-__device__ __forceinline__ void to_a_frag(uint32_t (&a)[4], const float (&d)[N], int j) {
-  a[0] = mma::pack_bf16(d[8 * j + 0], d[8 * j + 1]);
-  a[1] = mma::pack_bf16(d[8 * j + 2], d[8 * j + 3]);
-  a[2] = mma::pack_bf16(d[8 * j + 4], d[8 * j + 5]);
-  a[3] = mma::pack_bf16(d[8 * j + 6], d[8 * j + 7]);
-}
+// Accumulator columns 16 j .. 16 j + 15 as the bf16 A fragment of k-step j: the
+// accumulator's register order is mma.m16n8k16's, so mma_sm80.cuh's helpers serve as they are.
+using mma::to_a_frag;
+using mma::to_a_frags;
 
 // Orders register writes before the wgmma that reads them (accumulators, A fragments).
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }

@@ -189,6 +189,27 @@ __device__ __forceinline__ void store_row_sums(float (&rs)[2], float* dst, int m
   }
 }
 
+// d += f(i) acc on this warp's rows i = m0 + gid + 8 v (columns n0.., 16-chunk tile x alongside), and
+// rs[v] = the row's dot acc . x over this lane's columns, times f(i) if kScaleDot.
+template <bool kScaleDot, class RowScale>
+__device__ __forceinline__ void add_scaled_rows(float (&d)[8][4], const float (&acc)[8][4], const unsigned char* x,
+                                                RowScale f, float (&rs)[2], int m0, int n0, int lane) {
+  const int gid = lane >> 2, t4 = lane & 3;
+#pragma unroll
+  for (int v = 0; v < 2; ++v) {
+    const int i = m0 + gid + 8 * v;
+    const float fi = f(i);
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt) {
+      const float2 xp = ld_pair<16>(x, i, n0 + 8 * nt + 2 * t4);
+      rs[v] = fmaf(acc[nt][2 * v], xp.x, fmaf(acc[nt][2 * v + 1], xp.y, rs[v]));
+      d[nt][2 * v] = fmaf(fi, acc[nt][2 * v], d[nt][2 * v]);
+      d[nt][2 * v + 1] = fmaf(fi, acc[nt][2 * v + 1], d[nt][2 * v + 1]);
+    }
+    if constexpr (kScaleDot) rs[v] *= fi;
+  }
+}
+
 // Column sums over this warp's 16 rows (cs[nt][c]: column n0 + 8 nt + 2 t4 + c) to
 // dst[column]: the 8 lanes of a column, xor 4, 8, 16.
 template <int NT>
@@ -357,19 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       zero(acc);
       warp_gemm<8, false, true, 16, 16>(acc, sDo, sHT, m0, n0, 0, D, lane);
       float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int i = m0 + gid + 8 * v;
-        const float f = scale * eg[i];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<16>(smem + kQ, i, n0 + 8 * nt + 2 * t4);
-          rs[v] = fmaf(acc[nt][2 * v], x.x, fmaf(acc[nt][2 * v + 1], x.y, rs[v]));
-          dq[nt][2 * v] = fmaf(f, acc[nt][2 * v], dq[nt][2 * v]);
-          dq[nt][2 * v + 1] = fmaf(f, acc[nt][2 * v + 1], dq[nt][2 * v + 1]);
-        }
-        rs[v] *= f;
-      }
+      add_scaled_rows<true>(dq, acc, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
     }
     {  // dw = -dv_new S^T, to shared memory (bf16)
@@ -387,19 +396,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       zero(acc);
       warp_gemm<8, false, true, 16, 16>(acc, sVn, sDS, m0, n0, 0, D, lane);
       float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int i = m0 + gid + 8 * v;
-        const float f = dte[i];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<16>(smem + kK, i, n0 + 8 * nt + 2 * t4);
-          rs[v] = fmaf(acc[nt][2 * v], x.x, fmaf(acc[nt][2 * v + 1], x.y, rs[v]));
-          dk[nt][2 * v] = fmaf(f, acc[nt][2 * v], dk[nt][2 * v]);
-          dk[nt][2 * v + 1] = fmaf(f, acc[nt][2 * v + 1], dk[nt][2 * v + 1]);
-        }
-        rs[v] *= f;
-      }
+      add_scaled_rows<true>(dk, acc, smem + kK, [&](int i) { return dte[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowT + C * ch, m0, lane);
     }
     {  // sum(dS o S): the two tiles share one layout, so element for element
@@ -480,18 +477,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       zero(acc);
       warp_gemm<8, true, true, 8, 16>(acc, sA, sDw, m0, n0, m0, C, lane);
       float rs[2] = {0.f, 0.f};
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int i = m0 + gid + 8 * v;
-        const float f = bet[i] * eg[i];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<16>(smem + kK, i, n0 + 8 * nt + 2 * t4);
-          rs[v] = fmaf(acc[nt][2 * v], x.x, fmaf(acc[nt][2 * v + 1], x.y, rs[v]));
-          dk[nt][2 * v] = fmaf(f, acc[nt][2 * v], dk[nt][2 * v]);
-          dk[nt][2 * v + 1] = fmaf(f, acc[nt][2 * v + 1], dk[nt][2 * v + 1]);
-        }
-      }
+      add_scaled_rows<false>(dk, acc, smem + kK, [&](int i) { return bet[i] * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowXw + C * ch, m0, lane);
     }
     // dXu = A^T dv_new: row sums dXu . v; dv = beta dXu, staged over v once every warp has

@@ -71,17 +71,29 @@ __device__ __forceinline__ int swz8(int row, int chunk) { return swizzle_rows_of
 
 __device__ __forceinline__ void cp_async_wait_1() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
-// Accumulator n-tiles 2 j, 2 j + 1 (acc[8 j .. 8 j + 7]) as the A fragment of k-step j.
-template <int N>
-__device__ __forceinline__ void acc_to_a(uint32_t (&a)[4], const float (&d)[N], int j) {
-  a[0] = mma::pack_bf16(d[8 * j + 0], d[8 * j + 1]);
-  a[1] = mma::pack_bf16(d[8 * j + 2], d[8 * j + 3]);
-  a[2] = mma::pack_bf16(d[8 * j + 4], d[8 * j + 5]);
-  a[3] = mma::pack_bf16(d[8 * j + 6], d[8 * j + 7]);
-}
-
 __device__ __forceinline__ void mma4(float* d, const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   mma::mma_bf16(*reinterpret_cast<float(*)[4]>(d), a, b0, b1);
+}
+
+// d = A B (16 x 64, fp32), A the bf16 fragments of K k-steps; B's 16 x 16 block (k-step ks,
+// columns 16 jp ..) is one ldmatrix_x4 (kTrans: .trans) at b_addr(ks, jp).
+template <bool kTrans, int K, class BAddr>
+__device__ __forceinline__ void mma_16x64(float (&d)[32], const uint32_t (&a)[K][4], BAddr b_addr) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+#pragma unroll
+  for (int ks = 0; ks < K; ++ks) {
+#pragma unroll
+    for (int jp = 0; jp < 4; ++jp) {
+      uint32_t b[4];
+      if constexpr (kTrans)
+        mma::ldmatrix_x4_trans(b, b_addr(ks, jp));
+      else
+        mma::ldmatrix_x4(b, b_addr(ks, jp));
+      mma4(d + 8 * jp, a[ks], b[0], b[1]);
+      mma4(d + 8 * jp + 4, a[ks], b[2], b[3]);
+    }
+  }
 }
 
 // Where a document's chunks are.
@@ -186,7 +198,7 @@ __device__ __forceinline__ void form_chunk(const unsigned char* st, unsigned cha
 #pragma unroll
   for (int kb = 0; kb < 2; ++kb) {  // 16 x 16 blocks: columns 32 cb + 16 kb ..
     uint32_t r[4];
-    acc_to_a(r, pacc, kb);
+    mma::to_a_frag(r, pacc, kb);
     mma::stmatrix_x4(sp + swz8(16 * rb + 8 * (mi & 1) + r8, 4 * cb + 2 * kb + (mi >> 1)), r);
   }
 }
@@ -205,8 +217,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
   // (1) dS^T in bf16: the A fragments of U = dS^T K^T, and the dS tape (this warp's 16
   //     rows v of [v][k], staged with stmatrix, 16-byte stores of whole 256-byte rows).
   uint32_t sfrag[8][4];
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) acc_to_a(sfrag[ks], s, ks);
+  mma::to_a_frags(sfrag, s);
   {
     unsigned char* stage = smem + kStS + warp * kStSWarp;
     const uint32_t sst = mma::smem_addr(stage);
@@ -224,18 +235,8 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
 
   // (2) U = dS^T K^T (16 x 64): B[k][j] = K[j][k], rows j of the K tile (ldmatrix).
   float u[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) u[i] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) {
-#pragma unroll
-    for (int jp = 0; jp < 4; ++jp) {
-      uint32_t b[4];
-      mma::ldmatrix_x4(b, sk + swz16(16 * jp + 8 * (mi >> 1) + r8, 2 * ks + (mi & 1)));
-      mma4(u + 8 * jp, sfrag[ks], b[0], b[1]);
-      mma4(u + 8 * jp + 4, sfrag[ks], b[2], b[3]);
-    }
-  }
+  mma_16x64<false>(u, sfrag,
+                   [&](int ks, int jp) { return sk + swz16(16 * jp + 8 * (mi >> 1) + r8, 2 * ks + (mi & 1)); });
 
   // (3) dv_new^T = U diag(tail) + do^T P. do^T fragments: ldmatrix.trans of the do tile
   //     (rows = tokens i = k of the product, columns = this warp's v); B[i][j] = P[i][j]
@@ -244,14 +245,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks)
     mma::ldmatrix_x4_trans(dofrag[ks], sdo + swz16(16 * ks + 8 * (mi >> 1) + r8, 2 * warp + (mi & 1)));
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const float2 f = *reinterpret_cast<const float2*>(gv + kGvTail + 8 * nt + 2 * t4);
-    u[4 * nt + 0] *= f.x;
-    u[4 * nt + 1] *= f.y;
-    u[4 * nt + 2] *= f.x;
-    u[4 * nt + 3] *= f.y;
-  }
+  mma::scale_columns(u, gv + kGvTail, t4);
 #pragma unroll
   for (int ks = 0; ks < 4; ++ks) {
 #pragma unroll
@@ -267,8 +261,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
   //     the A fragments of X, and the dv_new tape ([t][v]: stmatrix.trans into this warp's
   //     two 16-byte columns of the staging tile, then 64 rows x 32 bytes).
   uint32_t dvfrag[4][4];
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) acc_to_a(dvfrag[ks], u, ks);
+  mma::to_a_frags(dvfrag, u);
   {
     const uint32_t sv = mma::smem_addr(smem + kStV);
 #pragma unroll
@@ -292,29 +285,11 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
 
   // (5) X = (dv_new^T a) diag(decay) (16 x 64): B[j][m] = a[j][m], ldmatrix.trans of the a tile.
   float x[32];
-#pragma unroll
-  for (int i = 0; i < 32; ++i) x[i] = 0.f;
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t b[4];
-      mma::ldmatrix_x4_trans(b, sa + swz8(16 * ks + 8 * (mi & 1) + r8, 2 * np + (mi >> 1)));
-      mma4(x + 8 * np, dvfrag[ks], b[0], b[1]);
-      mma4(x + 8 * np + 4, dvfrag[ks], b[2], b[3]);
-    }
-  }
-#pragma unroll
-  for (int nt = 0; nt < 8; ++nt) {
-    const float2 f = *reinterpret_cast<const float2*>(gv + kGvDecay + 8 * nt + 2 * t4);
-    x[4 * nt + 0] *= f.x;
-    x[4 * nt + 1] *= f.y;
-    x[4 * nt + 2] *= f.x;
-    x[4 * nt + 3] *= f.y;
-  }
+  mma_16x64<true>(x, dvfrag,
+                  [&](int ks, int np) { return sa + swz8(16 * ks + 8 * (mi & 1) + r8, 2 * np + (mi >> 1)); });
+  mma::scale_columns(x, gv + kGvDecay, t4);
   uint32_t xfrag[4][4];
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) acc_to_a(xfrag[ks], x, ks);
+  mma::to_a_frags(xfrag, x);
 
   // (6) do^T diag(outq): the do^T fragments scaled per token (fp32, rounded once more).
   //     Register r of dofrag[ks] holds tokens 16 ks + 8 (r >> 1) + 2 t4 (+1).

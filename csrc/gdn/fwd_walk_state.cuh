@@ -23,20 +23,6 @@
 
 namespace cake::gdn_walk {
 
-
-// acc (a 64 x 64 accumulator, this thread's columns j = 8 jt + 2 t4 (+1)) times the
-// per-column factors f[j] (read where used: registers are the scarce resource here).
-__device__ __forceinline__ void scale_columns(float (&acc)[32], const float* f, int t4) {
-#pragma unroll
-  for (int jt = 0; jt < 8; ++jt) {
-    const float2 e = *reinterpret_cast<const float2*>(f + 8 * jt + 2 * t4);
-    acc[4 * jt + 0] *= e.x;
-    acc[4 * jt + 1] *= e.y;
-    acc[4 * jt + 2] *= e.x;
-    acc[4 * jt + 3] *= e.y;
-  }
-}
-
 // A state warpgroup (wg of the CTA's): the walk of the 64 value columns of half vh
 // (v0 = 64 vh ..) of one (segment, value head), from S0 (K x V fp32, rows of 128;
 // nullptr: zeros; identity: the K x K identity), to S_end (same layout, or transposed
@@ -95,8 +81,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
 
     // (1) Group 1: U^T = S^T K^T. Group 2: O^T = S^T Q^T.
     uint32_t sfrag[8][4];
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) wgmma::to_a_frag(sfrag[ks], s, ks);
+    wgmma::to_a_frags(sfrag, s);
     float u[32], o[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) u[i] = o[i] = 0.f;
@@ -136,8 +121,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
       }
     }
     uint32_t wfrag[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(wfrag[ks], u, ks);
+    wgmma::to_a_frags(wfrag, u);
     float x[32];
 #pragma unroll
     for (int i = 0; i < 32; ++i) x[i] = 0.f;
@@ -150,7 +134,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
     if constexpr (kOutput) {
       wgmma::wait<1>();
       wgmma::fence_operands(o);
-      scale_columns(o, gs + kGOutQ, t4);
+      mma::scale_columns(o, gs + kGOutQ, t4);
     }
     wgmma::wait<0>();
     wgmma::fence_operands(x);
@@ -158,12 +142,10 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
     // (4) Group 4: S^T = e^gl S^T + (X * e^(gl - gcum_j)) K, the serial chain first.
     // Group 5: O^T += X P~^T.
     uint32_t xfrag[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xfrag[ks], x, ks);
-    scale_columns(x, gs + kGTailK, t4);
+    wgmma::to_a_frags(xfrag, x);
+    mma::scale_columns(x, gs + kGTailK, t4);
     uint32_t xtfrag[4][4];
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::to_a_frag(xtfrag[ks], x, ks);
+    wgmma::to_a_frags(xtfrag, x);
     const float gamma = gs[kGGamma];  // e^gl
 #pragma unroll
     for (int i = 0; i < 64; ++i) s[i] *= gamma;

@@ -25,6 +25,7 @@
 #include "common/mma_sm80.cuh"
 #include "common/swizzle.cuh"
 #include "gdn/fwd_walk_layout.cuh"
+#include "gdn/fwd_walk_output.cuh"
 #include "gdn/gdn.h"
 
 namespace cake::gdn_walk {
@@ -61,18 +62,10 @@ __device__ __forceinline__ void store_h_chunk(const uint32_t (&sfrag)[8][4], uns
 // address; vh: the half v0 = 64 vh; vn_rows: row 0, column v0 of the chunk's v_new tile.
 __device__ __forceinline__ void store_v_new_chunk(const uint32_t (&xfrag)[4][4], const unsigned char* st, uint32_t sv,
                                                   __nv_bfloat16* vn_rows, int vh, int64_t t0, int64_t doc_end) {
-  const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
-  const int mi = lane >> 3, r8 = lane & 7;
-#pragma unroll
-  for (int jj = 0; jj < 4; ++jj)
-    mma::stmatrix_x4_trans(sv + sw128_offset(64, 16 * jj + (mi >> 1) * 8 + r8, 8 * vh + 2 * warp + (mi & 1)), xfrag[jj]);
-  __syncwarp();
-  const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
+  const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
   uint4 val[4];
-#pragma unroll
-  for (int it = 0; it < 4; ++it)
-    val[it] = *reinterpret_cast<const uint4*>(st + kVOff +
-                                              sw128_offset(64, 16 * it + (lane >> 1), 8 * vh + 2 * warp + (lane & 1)));
+  stage_token_rows(xfrag, st, sv, vh, val);
+  const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
 #pragma unroll
   for (int it = 0; it < 4; ++it) {
     const int row = 16 * it + (lane >> 1);
