@@ -376,17 +376,6 @@ cudaError_t launch_width(const ShortConvBwdParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-template <typename XT>
-cudaError_t launch_dtype(const ShortConvBwdParams& p, int W, cudaStream_t stream) {
-  switch (W) {
-    case 1: return launch_width<XT, 1>(p, stream);
-    case 2: return launch_width<XT, 2>(p, stream);
-    case 3: return launch_width<XT, 3>(p, stream);
-    case 4: return launch_width<XT, 4>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
 cudaError_t short_conv_bwd_launch(const void* dy, const void* x, const void* weight,
@@ -416,12 +405,9 @@ cudaError_t short_conv_bwd_launch(const void* dy, const void* x, const void* wei
                              s_dtype,
                              ds_dtype,
                              silu};
-  switch (x_dtype) {
-    case DType::kFloat32: return launch_dtype<float>(p, W, stream);
-    case DType::kFloat16: return launch_dtype<__half>(p, W, stream);
-    case DType::kBFloat16: return launch_dtype<__nv_bfloat16>(p, W, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_dtype_width(x_dtype, W, [&](auto x, auto w) {
+    return launch_width<decltype(x), decltype(w)::value>(p, stream);
+  });
 }
 
 }  // namespace cake

@@ -4,9 +4,13 @@
 // to and from fp32, runtime-dtype loads and stores of the small tensors (weight, bias,
 // the initial state and their gradients: touched a handful of times per thread, so a
 // runtime switch there keeps the instantiations to (x dtype) x W x vector width), and
-// the aligned channel pack of the vector loads.
+// the aligned channel pack of the vector loads; and the launchers' runtime-to-compile-time
+// dispatch of x's dtype and the width W.
 
 #include <cstdint>
+#include <type_traits>
+
+#include <cuda_runtime.h>
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -46,5 +50,26 @@ template <typename T, int VEC>
 struct alignas(sizeof(T) * VEC) Pack {
   T v[VEC];
 };
+
+// f(XT{}, std::integral_constant<int, W>{}) for x's element type and the width W in
+// 1..4; cudaErrorInvalidValue for any other (the binding has refused them already).
+template <typename F>
+cudaError_t dispatch_dtype_width(DType x_dtype, int W, F&& f) {
+  auto with_width = [&](auto x) -> cudaError_t {
+    switch (W) {
+      case 1: return f(x, std::integral_constant<int, 1>{});
+      case 2: return f(x, std::integral_constant<int, 2>{});
+      case 3: return f(x, std::integral_constant<int, 3>{});
+      case 4: return f(x, std::integral_constant<int, 4>{});
+      default: return cudaErrorInvalidValue;
+    }
+  };
+  switch (x_dtype) {
+    case DType::kFloat32: return with_width(float{});
+    case DType::kFloat16: return with_width(__half{});
+    case DType::kBFloat16: return with_width(__nv_bfloat16{});
+    default: return cudaErrorInvalidValue;
+  }
+}
 
 }  // namespace cake::short_conv_elements

@@ -173,17 +173,6 @@ cudaError_t launch_vectorised_or_scalar(const ShortConvFwdParams& p, cudaStream_
   return launch<XT, W, 1>(p, stream);
 }
 
-template <typename XT>
-cudaError_t launch_width(const ShortConvFwdParams& p, int W, cudaStream_t stream) {
-  switch (W) {
-    case 1: return launch_vectorised_or_scalar<XT, 1>(p, stream);
-    case 2: return launch_vectorised_or_scalar<XT, 2>(p, stream);
-    case 3: return launch_vectorised_or_scalar<XT, 3>(p, stream);
-    case 4: return launch_vectorised_or_scalar<XT, 4>(p, stream);
-    default: return cudaErrorInvalidValue;
-  }
-}
-
 }  // namespace
 
 cudaError_t short_conv_fwd_launch(const void* x, const void* weight, const void* bias,
@@ -194,12 +183,9 @@ cudaError_t short_conv_fwd_launch(const void* x, const void* weight, const void*
   if (T == 0 || D == 0) return cudaSuccess;
   const ShortConvFwdParams p{x, weight, bias, cu_seqlens, initial_state, y, T, D, N,
                              w_dtype, s_dtype, cu_int64, silu};
-  switch (x_dtype) {
-    case DType::kFloat32: return launch_width<float>(p, W, stream);
-    case DType::kFloat16: return launch_width<__half>(p, W, stream);
-    case DType::kBFloat16: return launch_width<__nv_bfloat16>(p, W, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return dispatch_dtype_width(x_dtype, W, [&](auto x, auto w) {
+    return launch_vectorised_or_scalar<decltype(x), decltype(w)::value>(p, stream);
+  });
 }
 
 }  // namespace cake
