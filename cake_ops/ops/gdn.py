@@ -55,6 +55,10 @@ def gdn_fwd(
     Returns (o [T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32). The final state
     is always produced (it is small); ``cake_ops.gdn`` drops it unless asked.
     """
+    return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+
+
+def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
     check_cu_seqlens_values(cu_seqlens, T)
@@ -64,12 +68,11 @@ def gdn_fwd(
 
 @gdn_fwd.register_kernel("cuda")
 def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
-    T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
+    check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
-    deterministic = effective_deterministic(deterministic)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
-        check_cu_seqlens_values(cu_seqlens, T)
-        return pytorch_gdn.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+        return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+    deterministic = effective_deterministic(deterministic)
     from .. import build
 
     # The kernels' first stage checks cu_seqlens's values itself (csrc/gdn/plan.cu).
@@ -98,9 +101,20 @@ def gdn_bwd(
     Returns (dq, dk, dv, dg, dbeta, dh0) with the dtypes of (q, k, v, g, beta) and
     dh0 [N, HV, K, V] fp32 (the gradient of the initial state, zero or not).
     """
+    args = (do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+    return _gdn_bwd_pytorch(*args)
+
+
+def _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale) -> int:
+    """The backward's static checks; returns T."""
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)
+    return T
+
+
+def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    T = _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
@@ -108,13 +122,11 @@ def gdn_bwd(
 
 @gdn_bwd.register_kernel("cuda")
 def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
-    T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
-    check_gdn_grads(do, dht, T, HV, V, N, K)
-    check_scale(scale)
-    deterministic = effective_deterministic(deterministic)
+    _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
     if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale, initial_state) is not None:
-        check_cu_seqlens_values(cu_seqlens, T)
-        return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
+        return _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                deterministic)
+    deterministic = effective_deterministic(deterministic)
     from .. import build
 
     # Recomputes the forward's tapes with the forward's own plan (its first kernel checks

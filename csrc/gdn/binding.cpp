@@ -28,6 +28,19 @@ struct GdnShapes {
   int64_t T, H, HV, N;
 };
 
+// cu_seqlens of a call whose first tensor is q ([T, ...]): [N + 1] int32 / int64 on q's
+// device; returns N. Its values are checked by the plan kernel (plan.cu), on the device.
+int64_t check_cu_seqlens(const char* op, const at::Tensor& cu_seqlens, const at::Tensor& q, int64_t T) {
+  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, op, ": cu_seqlens must be [N + 1], got ",
+              cu_seqlens.sizes());
+  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
+              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
+  check_same_device(cu_seqlens, q, op, "cu_seqlens", "q");
+  const int64_t N = cu_seqlens.numel() - 1;
+  TORCH_CHECK(T == 0 || N >= 1, op, ": cu_seqlens: ", T, " tokens need at least one document");
+  return N;
+}
+
 // The CUDA-eligibility rule: these checks mirror cake_ops/dispatch.py's rule for sending a
 // call to the CUDA kernels (q, k, v bf16; K = V = 128; scale finite and > 0 (gdn_fwd);
 // g fp32; beta fp32 or bf16; HV a positive multiple of H, HV < 2^24; T < 2^31 - 64 and
@@ -63,13 +76,7 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
   TORCH_CHECK(beta.scalar_type() == at::kFloat || beta.scalar_type() == at::kBFloat16, op,
               ": beta must be float32 or bfloat16, got ", beta.scalar_type());
   check_same_device(beta, q, op, "beta", "q");
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, op, ": cu_seqlens must be [N + 1], got ",
-              cu_seqlens.sizes());
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
-              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
-  check_same_device(cu_seqlens, q, op, "cu_seqlens", "q");
-  const int64_t N = cu_seqlens.numel() - 1;
-  TORCH_CHECK(T == 0 || N >= 1, op, ": cu_seqlens: ", T, " tokens need at least one document");
+  const int64_t N = check_cu_seqlens(op, cu_seqlens, q, T);
   // The walk's TMA coordinates (token rows, chunk-slot tiles) are 32-bit.
   TORCH_CHECK(T < (int64_t{1} << 31) - kGdnChunk && gdn_fwd_chunk_slots(T, N) * HV < (int64_t{1} << 31), op,
               ": q, cu_seqlens, g: T = ", T, " tokens with N = ", N, " documents and HV = ", HV,
@@ -263,13 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
               ": do must be [T, HV, V] = [", T, ", ", HV, ", 128], got ", dout.sizes());
   TORCH_CHECK(dout.scalar_type() == at::kBFloat16, op, ": do must be bfloat16, got ", dout.scalar_type());
   check_same_device(dout, q, op, "do", "q");
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, op, ": cu_seqlens must be [N + 1], got ",
-              cu_seqlens.sizes());
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, op,
-              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
-  check_same_device(cu_seqlens, q, op, "cu_seqlens", "q");
-  const int64_t N = cu_seqlens.numel() - 1;
-  TORCH_CHECK(T == 0 || N >= 1, op, ": cu_seqlens: ", T, " tokens need at least one document");
+  const int64_t N = check_cu_seqlens(op, cu_seqlens, q, T);
   TORCH_CHECK(chunk_offsets.dim() == 1 && chunk_offsets.numel() == N + 1, op,
               ": chunk_offsets must be [N + 1] = [", N + 1, "], got ", chunk_offsets.sizes());
   TORCH_CHECK(chunk_offsets.scalar_type() == at::kInt, op, ": chunk_offsets must be int32, got ",
@@ -374,13 +375,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
   TORCH_CHECK(beta.scalar_type() == at::kFloat || beta.scalar_type() == at::kBFloat16, kOp,
               ": beta must be float32 or bfloat16, got ", beta.scalar_type());
   check_same_device(beta, q, kOp, "beta", "q");
-  TORCH_CHECK(cu_seqlens.dim() == 1 && cu_seqlens.numel() >= 1, kOp, ": cu_seqlens must be [N + 1], got ",
-              cu_seqlens.sizes());
-  TORCH_CHECK(cu_seqlens.scalar_type() == at::kInt || cu_seqlens.scalar_type() == at::kLong, kOp,
-              ": cu_seqlens must be int32 or int64, got ", cu_seqlens.scalar_type());
-  check_same_device(cu_seqlens, q, kOp, "cu_seqlens", "q");
-  const int64_t N = cu_seqlens.numel() - 1;
-  TORCH_CHECK(T == 0 || N >= 1, kOp, ": cu_seqlens: ", T, " tokens need at least one document");
+  const int64_t N = check_cu_seqlens(kOp, cu_seqlens, q, T);
   const int64_t NC = gdn_fwd_chunk_slots(T, N);
   TORCH_CHECK(T < (int64_t{1} << 31) - C && NC * HV < (int64_t{1} << 31) && NC * H < (int64_t{1} << 31), kOp,
               ": T = ", T, ", N = ", N, ", HV = ", HV, " exceed the kernel's 32-bit grid");

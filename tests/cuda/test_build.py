@@ -45,7 +45,7 @@ TREE = {
         "__global__ void short_conv_fwd_kernel(int* y) { y[0] = twice(y[1]); }\n"
     ),
     "short_conv/binding.cpp": '#include "short_conv/short_conv.h"\nint short_conv_binding() { return 3; }\n',
-    "gdn/NOTES.md": "not a source\n",
+    "gdn/layout.txt": "not a source\n",
 }
 
 
@@ -147,7 +147,7 @@ EDITS = [
     Edit("new_header_in_a_new_folder", {"gdn/walk/tile.cuh": "#pragma once\n"}),
     Edit("file_moved_to_another_folder", {"common/gdn.h": TREE["gdn/gdn.h"], "gdn/gdn.h": ""}),
     Edit("removed_source", {"gdn/plan.cu": ""}),
-    Edit("notes_not_hashed", {"gdn/NOTES.md": "edited\n", "common/README": "new\n"}, changes_key=False),
+    Edit("notes_not_hashed", {"gdn/layout.txt": "edited\n", "common/README": "new\n"}, changes_key=False),
 ]
 
 

@@ -20,6 +20,7 @@ from cake_ops.pytorch import short_conv as pytorch_short_conv
 from cake_ops.reference import short_conv_reference
 from cake_ops.testing import accuracy, poisoned_allocations
 
+from cases import replay_and_eager, short_conv_documents
 from conftest import record_accuracy
 
 pytestmark = pytest.mark.gpu
@@ -27,21 +28,8 @@ pytestmark = pytest.mark.gpu
 GRADS = ("dx", "dweight", "dbias", "dinitial_state")
 
 
-def _documents(lengths, D, W, x_dtype, param_dtype, *, bias, state, cu_dtype=torch.int32, seed=0):
-    """Fresh random inputs and output gradient on the GPU; the initial state takes the dtype
-    the weight does not, so mixed dtypes are covered."""
-    gen = torch.Generator().manual_seed(seed)
-    T, N = sum(lengths), len(lengths)
-    state_dtype = torch.float32 if param_dtype == x_dtype else x_dtype
-    return dict(
-        dy=torch.randn(T, D, generator=gen).to("cuda", x_dtype),
-        x=torch.randn(T, D, generator=gen).to("cuda", x_dtype),
-        weight=(torch.randn(D, W, generator=gen) / W**0.5).to("cuda", param_dtype),
-        bias=torch.randn(D, generator=gen).to("cuda", param_dtype) if bias else None,
-        cu_seqlens=torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=cu_dtype,
-                                device="cuda"),
-        initial_state=torch.randn(N, D, W - 1, generator=gen).to("cuda", state_dtype) if state else None,
-    )
+def _documents(lengths, D, W, x_dtype, param_dtype, **kw):
+    return short_conv_documents(lengths, D, W, x_dtype, param_dtype, with_dy=True, **kw)
 
 
 def _lengths(seed):
@@ -306,21 +294,9 @@ def test_short_conv_bwd_cuda_graph_replays_new_documents():
     equals eager, so nothing in the op depends on host-side values of cu_seqlens."""
     lengths = _lengths(3)
     static = _documents(lengths, 64, 4, torch.bfloat16, torch.float32, bias=True, state=True, seed=3)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _bwd(static, True)  # builds and loads outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_grads = _bwd(static, True)
-
     fresh = _documents(lengths[::-1], 64, 4, torch.bfloat16, torch.float32, bias=True, state=True, seed=4)
-    for name, tensor in static.items():
-        tensor.copy_(fresh[name])
-    graph.replay()
-    torch.cuda.synchronize()
-    _assert_bitwise(static_grads, _bwd(fresh, True), "graph replay")
+    replayed, eager = replay_and_eager(lambda inputs: _bwd(inputs, True), static, fresh)
+    _assert_bitwise(replayed, eager, "graph replay")
 
 
 def test_short_conv_bwd_dy_of_another_dtype_runs_pytorch():

@@ -14,25 +14,14 @@ from cake_ops import build
 from cake_ops.reference import short_conv_reference
 from cake_ops.testing import accuracy, poisoned_allocations
 
+from cases import replay_and_eager, short_conv_documents
 from conftest import record_accuracy
 
 pytestmark = pytest.mark.gpu
 
 
-def _documents(lengths, D, W, x_dtype, param_dtype, *, bias, state, cu_dtype=torch.int32, seed=0):
-    """Fresh random inputs on the GPU; the initial state takes the dtype the weight does not,
-    so mixed dtypes are covered."""
-    gen = torch.Generator().manual_seed(seed)
-    T, N = sum(lengths), len(lengths)
-    state_dtype = torch.float32 if param_dtype == x_dtype else x_dtype
-    return dict(
-        x=torch.randn(T, D, generator=gen).to("cuda", x_dtype),
-        weight=(torch.randn(D, W, generator=gen) / W**0.5).to("cuda", param_dtype),
-        bias=torch.randn(D, generator=gen).to("cuda", param_dtype) if bias else None,
-        cu_seqlens=torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=cu_dtype,
-                                device="cuda"),
-        initial_state=torch.randn(N, D, W - 1, generator=gen).to("cuda", state_dtype) if state else None,
-    )
+def _documents(lengths, D, W, x_dtype, param_dtype, **kw):
+    return short_conv_documents(lengths, D, W, x_dtype, param_dtype, with_dy=False, **kw)
 
 
 def _lengths(seed):
@@ -111,18 +100,6 @@ def test_short_conv_fwd_cuda_graph_replays_new_documents():
     equals eager, so nothing in the op depends on host-side values of cu_seqlens."""
     lengths = _lengths(3)
     static = _documents(lengths, 64, 4, torch.bfloat16, torch.float32, bias=True, state=True, seed=3)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        _fwd(static, True)  # builds and loads outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = _fwd(static, True)
-
     fresh = _documents(lengths[::-1], 64, 4, torch.bfloat16, torch.float32, bias=True, state=True, seed=4)
-    for name, tensor in static.items():
-        tensor.copy_(fresh[name])
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(y_static.view(torch.int16), _fwd(fresh, True).view(torch.int16))
+    replayed, eager = replay_and_eager(lambda inputs: _fwd(inputs, True), static, fresh)
+    assert torch.equal(replayed.view(torch.int16), eager.view(torch.int16))
