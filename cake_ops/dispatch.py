@@ -72,21 +72,13 @@ def gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale: float) -> str | No
     return None
 
 
-def gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale: float, initial_state=None) -> str | None:
+def gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale: float) -> str | None:
     """None when the CUDA GDN backward (csrc/gdn) takes this call (inputs validated by
-    ``checks.check_gdn`` and ``check_gdn_grads``), else why not: the forward's rule, no
-    initial state, and the gradients in the dtypes autograd passes them (do as o: bf16;
-    dht fp32)."""
+    ``checks.check_gdn`` and ``check_gdn_grads``), else why not: the forward's rule and
+    the gradients in the dtypes autograd passes them (do as o: bf16; dht fp32)."""
     why = gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale)
     if why is not None:
         return why
-    # The chunk-local gradients read the state at a chunk's start from the bf16 h tape;
-    # at a document's first chunk that is the initial state, and dg's term
-    # e^gl <dS_end, h> over its K x V entries then loses the contract (rel-RMS 1.2e-2 on a
-    # strong-decay case: tools/gdn_bwd_tape_precision.py). Until the kernel reads the
-    # fp32 initial state there, such calls take the PyTorch backward.
-    if initial_state is not None:
-        return "the CUDA backward does not take an initial state yet (its dg would miss the contract)"
     if do.dtype != torch.bfloat16:
         return f"the CUDA backward takes the gradient of o in bf16 (o's dtype), got {do.dtype}"
     if dht is not None and dht.dtype != torch.float32:

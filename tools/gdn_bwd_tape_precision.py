@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Error of the backward's gradients by the precision of its tapes, emulated on the CPU.
 
-    python tools/gdn_bwd_tape_precision.py [--cases edges,slow]   # CPU, seconds a case
+    python tools/gdn_bwd_tape_precision.py [--cases edges,slow] [--seeds 0,2]   # CPU, seconds a case
 
 The CUDA backward (docs/kernels.md, "Backward") keeps four tapes per chunk and value head
 in bf16: h (the state at the chunk's start), v_new, dS (the state gradient at the chunk's
@@ -9,7 +9,8 @@ end) and dv_new. This takes the PyTorch path's fp32 tapes (cake_ops.pytorch.gdn
 walk_tapes), rounds some or all of them to bf16, forms the chunk-local gradients in fp32
 (local_gradients) and prints each gradient's rel-RMS against FP64 autograd of the
 token-by-token reference: what the tapes' rounding alone costs, tape by tape, apart from
-the kernels' other bf16 operands.
+the kernels' other bf16 operands; and the kernel's own form (bf16 tapes, fp32 first state
+and last state gradient in dg's term e^gl <dS_end, h>).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cake_ops.pytorch import gdn as pytorch_gdn  # noqa: E402
 from cake_ops.reference import gdn_reference  # noqa: E402
 from cake_ops.testing import accuracy, make_gdn_inputs  # noqa: E402
+from cake_ops.varlen import from_chunks  # noqa: E402
 
 # name -> (lengths, H, G, gate, beta, use_qk_l2norm): small versions of the GPU test cases.
 CASES = {
@@ -35,6 +37,9 @@ CASES = {
 TAPES = ("h", "v_new", "dS_end", "dv_new")
 VARIANTS = {"fp32": (), "bf16 all": TAPES, "bf16 h": ("h",), "bf16 dS": ("dS_end",),
             "bf16 v_new, dv_new": ("v_new", "dv_new")}
+# The kernel's form: every tape bf16, but dg's term e^gl <dS_end, h> reads a document's
+# first state (the initial state) and last state gradient (dht) in fp32.
+KERNEL = "bf16, exact first S / last dS"
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
 
@@ -60,16 +65,29 @@ def errors(case: str, seed: int = 0) -> dict[str, dict[str, float]]:
         t = tapes._replace(**{n: getattr(tapes, n).bfloat16().float() for n in rounded})
         grads = pytorch_gdn.local_gradients(prep, rstd, t, do, scale, G)
         out[variant] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
+    # The kernel's form, from "bf16 all": the term enters d gcum at a chunk's last token, so
+    # the reverse cumsum adds its change to every token of the chunk.
+    t = tapes._replace(**{n: getattr(tapes, n).bfloat16().float() for n in TAPES})
+    grads = list(pytorch_gdn.local_gradients(prep, rstd, t, do, scale, G))
+    lay = prep.layout
+    h = torch.where(lay.first[:, None, None, None], tapes.h, t.h)
+    dS = torch.where(lay.last[:, None, None, None], tapes.dS_end, t.dS_end)
+    change = ((dS * h).sum((-1, -2)) - (t.dS_end * t.h).sum((-1, -2))) * prep.gcum[..., -1].exp()
+    grads[3] = grads[3] + from_chunks(change[..., None, None].expand(-1, -1, prep.gcum.shape[-1], 1), lay)[..., 0]
+    out[KERNEL] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
     return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cases", default=",".join(CASES), help=f"comma list of {', '.join(CASES)}")
+    parser.add_argument("--seeds", default="0", help="comma list of input seeds")
     args = parser.parse_args()
     for case in args.cases.split(","):
-        for variant, errs in errors(case).items():
-            print(f"{case:12s} {variant:20s} " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()), flush=True)
+        for seed in map(int, args.seeds.split(",")):
+            for variant, errs in errors(case, seed).items():
+                print(f"{case:12s} seed {seed} {variant:30s} " + "  ".join(f"{n} {e:.2e}" for n, e in errs.items()),
+                      flush=True)
 
 
 if __name__ == "__main__":

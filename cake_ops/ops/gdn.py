@@ -123,7 +123,7 @@ def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale
 @gdn_bwd.register_kernel("cuda")
 def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
     _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
-    if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale, initial_state) is not None:
+    if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                 deterministic)
     deterministic = effective_deterministic(deterministic)

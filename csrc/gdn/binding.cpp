@@ -352,8 +352,9 @@ void check_tensor(const at::Tensor& t, const at::Tensor& like, const char* name,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_local(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& g,
     const at::Tensor& beta, const at::Tensor& gcum, const at::Tensor& A, const at::Tensor& h,
-    const at::Tensor& v_new, const at::Tensor& dS, const at::Tensor& dv_new, const at::Tensor& chunk_offsets,
-    const at::Tensor& cu_seqlens, double scale, bool use_qk_l2norm) {
+    const at::Tensor& v_new, const at::Tensor& dS, const at::Tensor& dv_new,
+    const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& dht,
+    const at::Tensor& chunk_offsets, const at::Tensor& cu_seqlens, double scale, bool use_qk_l2norm) {
   constexpr int64_t C = kGdnChunk, D = kGdnHeadDim;
   TORCH_CHECK(q.is_cuda(), kOp, ": q must be a CUDA tensor, got ", q.device());
   TORCH_CHECK(q.dim() == 3 && q.size(2) == D && q.size(1) >= 1, kOp,
@@ -386,6 +387,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
   check_tensor(v_new, q, "v_new", {NC, HV, C, D}, at::kBFloat16, "[NC, HV, 64, 128]");
   check_tensor(dS, q, "dS", {NC, HV, D, D}, at::kBFloat16, "[NC, HV, 128 (V), 128 (K)] (dS^T)");
   check_tensor(dv_new, q, "dv_new", {NC, HV, C, D}, at::kBFloat16, "[NC, HV, 64, 128]");
+  if (initial_state) check_tensor(*initial_state, q, "initial_state", {N, HV, D, D}, at::kFloat, "[N, HV, K, V]");
+  if (dht) check_tensor(*dht, q, "dht", {N, HV, D, D}, at::kFloat, "[N, HV, K, V]");
   TORCH_CHECK(std::isfinite(scale) && scale > 0, kOp, ": scale must be finite and > 0, got ", scale);
 
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
@@ -393,6 +396,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
                    h_ = dense16(h), vn_ = dense16(v_new), ds_ = dense16(dS), dvn_ = dense16(dv_new);
   const at::Tensor g_ = g.contiguous(), beta_ = beta.contiguous(), gcum_ = gcum.contiguous(),
                    co_ = chunk_offsets.contiguous(), cu_ = cu_seqlens.contiguous();
+  const at::Tensor h0_ = initial_state ? initial_state->contiguous() : at::Tensor();
+  const at::Tensor dht_ = dht ? dht->contiguous() : at::Tensor();
   at::Tensor dq = at::empty({T, H, D}, q.options().dtype(at::kBFloat16));
   at::Tensor dk = at::empty({T, H, D}, q.options().dtype(at::kBFloat16));
   at::Tensor dv = at::empty({T, HV, D}, q.options().dtype(at::kBFloat16));
@@ -413,6 +418,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
   a.v_new = vn_.data_ptr();
   a.ds = ds_.data_ptr();
   a.dv_new = dvn_.data_ptr();
+  a.initial_state = h0_.defined() ? h0_.data_ptr<float>() : nullptr;
+  a.dht = dht_.defined() ? dht_.data_ptr<float>() : nullptr;
   a.chunk_offsets = co_.data_ptr<int32_t>();
   a.cu_seqlens = cu_.data_ptr();
   a.cu_int64 = cu_.scalar_type() == at::kLong;
@@ -513,6 +520,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   l.v_new = f.v_new_tape;
   l.ds = r.dS;
   l.dv_new = r.dv_new;
+  l.initial_state = f.initial_state;
+  l.dht = r.dht;
   l.chunk_offsets = f.chunk_offsets;
   l.cu_seqlens = f.cu_seqlens;
   l.cu_int64 = f.cu_int64;
@@ -554,8 +563,8 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "Tensor chunk_offsets, Tensor cu_seqlens, int HV, float scale) -> (Tensor dS, Tensor dv_new, Tensor dh0)");
   m.def(
       "gdn_bwd_local(Tensor q, Tensor k, Tensor v, Tensor do, Tensor g, Tensor beta, Tensor gcum, Tensor A, "
-      "Tensor h, Tensor v_new, Tensor dS, Tensor dv_new, Tensor chunk_offsets, Tensor cu_seqlens, float scale, "
-      "bool use_qk_l2norm) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta)");
+      "Tensor h, Tensor v_new, Tensor dS, Tensor dv_new, Tensor? initial_state, Tensor? dht, Tensor chunk_offsets, "
+      "Tensor cu_seqlens, float scale, bool use_qk_l2norm) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta)");
   m.def(
       "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "

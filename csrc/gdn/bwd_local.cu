@@ -119,9 +119,11 @@ __device__ __forceinline__ void st_pair(unsigned char* tile, int row, int col, f
   *reinterpret_cast<uint32_t*>(tile + swizzle_rows_offset<RC>(row, col >> 3) + (col & 7) * 2) = mma::pack_bf16(lo, hi);
 }
 
-// One bf16 of a 64-column tile as the bits of an fp32 (exact, hence a TF32 operand as it is).
+// One bf16 of a swizzled tile of RC chunks a row as the bits of an fp32 (exact, hence a TF32
+// operand as it is).
+template <int RC>
 __device__ __forceinline__ uint32_t ld_bf16_bits(const unsigned char* tile, int row, int col) {
-  const uint32_t w = *reinterpret_cast<const uint16_t*>(tile + swizzle_rows_offset<8>(row, col >> 3) + (col & 7) * 2);
+  const uint32_t w = *reinterpret_cast<const uint16_t*>(tile + swizzle_rows_offset<RC>(row, col >> 3) + (col & 7) * 2);
   return w << 16;
 }
 
@@ -283,6 +285,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
   const int64_t HV = p.HV;
   const int G = static_cast<int>(HV / p.H);
   const float scale = p.scale;
+  // dg's term e^gl <dS_end, S> where a factor is an fp32 input (see the sum below).
+  const bool exact_h0 = p.initial_state != nullptr && slot == p.chunk_offsets[pos.doc];
+  const bool exact_dht = p.dht != nullptr && slot == p.chunk_offsets[pos.doc + 1] - 1;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
@@ -399,18 +404,30 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       add_scaled_rows<true>(dk, acc, smem + kK, [&](int i) { return dte[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowT + C * ch, m0, lane);
     }
-    {  // sum(dS o S): the two tiles share one layout, so element for element
-      const uint4* a = reinterpret_cast<const uint4*>(smem + kHT);
-      const uint4* b = reinterpret_cast<const uint4*>(smem + kDS);
+    {  // sum(dS o S) over the K x V entries
       float s = 0.f;
+      if (exact_h0 || exact_dht) {
+        // A document's first state is the initial state and its last state gradient dht:
+        // both fp32 inputs, read as such (index k V + v), the other factor from its tape.
+        const int64_t state = (pos.doc * HV + hv) * D * D;
+        for (int e = tid; e < D * D; e += kThreads) {
+          const int kk = e >> 7, vv = e & (D - 1);
+          const float sv = exact_h0 ? p.initial_state[state + e] : __uint_as_float(ld_bf16_bits<16>(smem + kHT, vv, kk));
+          const float dsv = exact_dht ? p.dht[state + e] : __uint_as_float(ld_bf16_bits<16>(smem + kDS, vv, kk));
+          s = fmaf(sv, dsv, s);
+        }
+      } else {  // both tapes share one layout, so element for element
+        const uint4* a = reinterpret_cast<const uint4*>(smem + kHT);
+        const uint4* b = reinterpret_cast<const uint4*>(smem + kDS);
 #pragma unroll
-      for (int it = 0; it < D * D / 8 / kThreads; ++it) {
-        const uint4 x = a[it * kThreads + tid], y = b[it * kThreads + tid];
-        const uint32_t xu[4] = {x.x, x.y, x.z, x.w}, yu[4] = {y.x, y.y, y.z, y.w};
+        for (int it = 0; it < D * D / 8 / kThreads; ++it) {
+          const uint4 x = a[it * kThreads + tid], y = b[it * kThreads + tid];
+          const uint32_t xu[4] = {x.x, x.y, x.z, x.w}, yu[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 fx = unpack_bf16(xu[e]), fy = unpack_bf16(yu[e]);
-          s = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, s));
+          for (int e = 0; e < 4; ++e) {
+            const float2 fx = unpack_bf16(xu[e]), fy = unpack_bf16(yu[e]);
+            s = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, s));
+          }
         }
       }
 #pragma unroll
@@ -525,8 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       const unsigned char* tA = smem + kA;
 #pragma unroll 2
       for (int mm = m0; mm < C; mm += 8) {
-        const uint32_t a[4] = {ld_bf16_bits(tA, mm + t4, m0 + gid), ld_bf16_bits(tA, mm + t4, m0 + gid + 8),
-                               ld_bf16_bits(tA, mm + t4 + 4, m0 + gid), ld_bf16_bits(tA, mm + t4 + 4, m0 + gid + 8)};
+        const uint32_t a[4] = {ld_bf16_bits<8>(tA, mm + t4, m0 + gid), ld_bf16_bits<8>(tA, mm + t4, m0 + gid + 8),
+                               ld_bf16_bits<8>(tA, mm + t4 + 4, m0 + gid), ld_bf16_bits<8>(tA, mm + t4 + 4, m0 + gid + 8)};
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int jj = j0 + 8 * nt + gid;
@@ -556,7 +573,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int jj = j0 + 8 * nt + gid;
-          mma::mma_tf32(y[nt], a, ld_bf16_bits(tA, jj, mm + t4), ld_bf16_bits(tA, jj, mm + t4 + 4));
+          mma::mma_tf32(y[nt], a, ld_bf16_bits<8>(tA, jj, mm + t4), ld_bf16_bits<8>(tA, jj, mm + t4 + 4));
         }
       }
       // dL = -Y below the diagonal: dbeta += rowsum(dL o D o kk); d gcum += rowsum - colsum of

@@ -17,6 +17,10 @@
 //   v_new       [NC, HV, 64, 128] bf16
 //   ds          [NC, HV, 128 (v), 128 (k)] bf16   dS^T at the chunk's end
 //   dv_new      [NC, HV, 64, 128] bf16
+//   initial_state, dht [N, HV, 128 (k), 128 (v)] fp32 or null: a document's first state S and
+//               its last state gradient dS_end, which the h and dS tapes hold in bf16; dg's
+//               term e^gl <dS_end, S> at those chunks reads them in fp32 (the tapes' rounding
+//               there alone takes dg past the contract where that term dominates)
 //   chunk_offsets [N + 1] int32, cu_seqlens [N + 1] int32 / int64 (cu_int64)
 // Outputs, every element of every token written:
 //   dq, dk [T, H, 128] bf16;  dv [T, HV, 128] bf16;  dg [T, HV] fp32;  dbeta [T, HV] beta_dtype
@@ -46,6 +50,8 @@ struct GdnBwdLocalArgs {
   const void* v_new;
   const void* ds;
   const void* dv_new;
+  const float* initial_state;
+  const float* dht;
   const int32_t* chunk_offsets;
   const void* cu_seqlens;
   bool cu_int64;

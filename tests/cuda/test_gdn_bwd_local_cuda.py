@@ -80,13 +80,20 @@ def _setup(case: GdnCase, *, dht: bool, seed: int = 0, floor_tokens: bool = Fals
         v_new=_bf(tapes.v_new),
         dS=_bf(tapes.dS_end.transpose(-1, -2)),
         dv_new=_bf(tapes.dv_new),
+        initial_state=inp["initial_state"],
+        dht=dht_t,
         chunk_offsets=chunk_offsets,
         cu_seqlens=cu,
         l2=case.l2norm,
     )
-    # The reference on exactly what the kernel reads: the tapes and A rounded to bf16.
+    # The reference on what the kernel reads: the tapes and A rounded to bf16, except a
+    # document's first state and last state gradient, which it reads in fp32 for dg's term
+    # e^gl <dS_end, S> (its products take them in bf16: within the contract's tolerance).
     r = lambda x: x.to(torch.bfloat16).float()
-    tapes_r = tapes._replace(h=r(tapes.h), v_new=r(tapes.v_new), dS_end=r(tapes.dS_end), dv_new=r(tapes.dv_new))
+    lay = prep.layout
+    h_r = torch.where(lay.first[:, None, None, None], tapes.h, r(tapes.h))
+    dS_r = torch.where(lay.last[:, None, None, None], tapes.dS_end, r(tapes.dS_end))
+    tapes_r = tapes._replace(h=h_r, v_new=r(tapes.v_new), dS_end=dS_r, dv_new=r(tapes.dv_new))
     prep_r = prep._replace(A=r(prep.A))
     dq, dk, dv, dg, dbeta = pytorch_gdn.local_gradients(prep_r, rstd, tapes_r, do, SCALE, case.G)
     dg = torch.where(g < pytorch_gdn.GATE_FLOOR, 0.0, dg)
@@ -96,7 +103,7 @@ def _setup(case: GdnCase, *, dht: bool, seed: int = 0, floor_tokens: bool = Fals
 def _call(ops, a):
     return ops.gdn_bwd_local(
         a["q"], a["k"], a["v"], a["do"], a["g"], a["beta"], a["gcum"], a["A"], a["h"], a["v_new"], a["dS"],
-        a["dv_new"], a["chunk_offsets"], a["cu_seqlens"], SCALE, a["l2"],
+        a["dv_new"], a["initial_state"], a["dht"], a["chunk_offsets"], a["cu_seqlens"], SCALE, a["l2"],
     )
 
 
@@ -172,6 +179,8 @@ def test_packed_vs_alone(ops):
             pad = x[s0:s1]
             # The alone call's grid has NC1 >= s1 - s0 slots; the extra ones are unused.
             alone[name] = torch.cat([pad, x.new_zeros((NC1 - (s1 - s0),) + tuple(x.shape[1:]))]).contiguous()
+        alone["initial_state"] = args["initial_state"][n : n + 1].contiguous()
+        alone["dht"] = args["dht"][n : n + 1].contiguous()
         alone["chunk_offsets"] = torch.tensor([0, s1 - s0], dtype=torch.int32, device="cuda")
         alone["cu_seqlens"] = torch.tensor([0, T1], dtype=args["cu_seqlens"].dtype, device="cuda")
         alone["l2"] = args["l2"]

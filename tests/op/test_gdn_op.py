@@ -312,8 +312,7 @@ def test_gdn_batched_with_cu_seqlens_refused():
 def test_cuda_rules_by_condition(monkeypatch):
     """The dispatch rules condition by condition, with the kernels taken as available (on
     this machine they are not): the forward takes bf16, K = V = 128, a finite scale > 0;
-    the backward besides needs do in bf16, dht in fp32 and no initial state (its dg would
-    miss the contract there: tools/gdn_bwd_tape_precision.py)."""
+    the backward besides needs do in bf16 and dht in fp32."""
     from cake_ops import dispatch
 
     monkeypatch.setattr(dispatch, "_kernels_unavailable", lambda: None)
@@ -329,7 +328,6 @@ def test_cuda_rules_by_condition(monkeypatch):
     assert "head dims" in dispatch.gdn_fwd_cuda_refusal(*(small[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), 0.1)
     assert dispatch.gdn_bwd_cuda_refusal(do, dht, *args, 0.1) is None
     assert dispatch.gdn_bwd_cuda_refusal(do, None, *args, 0.1) is None
-    assert "initial state" in dispatch.gdn_bwd_cuda_refusal(do, dht, *args, 0.1, i["initial_state"])
     assert "gradient of o" in dispatch.gdn_bwd_cuda_refusal(do.float(), dht, *args, 0.1)
     assert "final state" in dispatch.gdn_bwd_cuda_refusal(do, dht.double(), *args, 0.1)
     assert dispatch.short_conv_fwd_cuda_refusal(i["q"]) is None
