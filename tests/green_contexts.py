@@ -44,3 +44,15 @@ def timed(fn, repeats):
         end.synchronize()
         best = min(best, start.elapsed_time(end))
     return result, best
+
+
+def slowdown_on(num_sms):
+    """How many times longer a 4096^3 bf16 matmul (work that fills every SM it gets) takes
+    on a green context of num_sms SMs than on the whole GPU: about 132 / num_sms where the
+    context holds its kernels to its SMs."""
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    probe = lambda: a @ a  # noqa: E731
+    timed(probe, 2)
+    _, full = timed(probe, 3)
+    _, held = on_green_context(num_sms, probe, 3)
+    return held / full

@@ -24,19 +24,23 @@
 //   product, columns 64 ch .. of the 64x128 ones (dq, dk, dw, dXw, dXu, ...) and 32 ch .. of
 //   the 64x64 ones (dP, dA, dL, q k^T, k k^T): the same rows in both, so row quantities
 //   (gates, row sums) line up, and the 64x64 tiles' elementwise work stays in registers.
-// - mma.sync m16n8k16 bf16 (fp32 accumulate) on operands staged by cp.async in
-//   shared memory as row-major bf16 tiles in the 16-byte XOR swizzle (swizzle.cuh): every
-//   product reads its operands with ldmatrix, .trans where the product needs the stored
-//   tile transposed (A^T, dPs^T, dkk^T as left operands; S^T, k, q, dw as right operands
-//   stored k-major); see warp_gemm. Padding tokens are zero-filled, so they contribute 0.
+// - Every bf16 product is a wgmma of its warpgroup (ch) on operands in shared memory:
+//   m64n64 for the 64x128 products (its 64 columns), m64n32 for the 64x64 ones, full K
+//   (the triangular operands A, dPs, dkk hold zeros above the diagonal). Its accumulator
+//   rows are warp rb's 16, so the elementwise code reads them as the mma.sync fragments
+//   they are. The tiles, staged by cp.async or ordinary stores, are in the SW128 layout
+//   (swizzle.cuh), which wgmma reads in both majors: the operand a product needs
+//   transposed (A^T, dPs^T, dkk^T on the left; S^T, k, q, dw, dv_new on the right) is read
+//   MN-major. Padding tokens are zero-filled, so they contribute 0.
 // - dL = -(A^T dA A^T) is two 64x64x64 TF32 products (m16n8k8) on fp32 dA and A^T dA: dA
 //   feeds dbeta and dg through A twice, and bf16 there would cost ~2^-8 of them; A is
 //   bf16 already, so exact in TF32.
 // - Shared memory (223 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
-//   dS^T (32 KB each), A (8 KB), dw (16 KB), dPs / dkk (8 KB, in turn), dA / A^T dA (fp32,
-//   18 KB, in turn) and row vectors. The next value head's do, v_new, S^T, dS^T (96 KB) are
-//   requested as soon as the current head's first phase has read them, under the rest
-//   of its work (on the last head: the raw q, k rows for the norm's backward).
+//   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dPs / dkk (8 KB, in turn),
+//   dA / A^T dA (fp32, 18 KB, in turn) and row vectors. The next value head's tiles but A
+//   (128 KB) and its gates are requested as soon as the current head's first phases have
+//   read them, its A once phase 2 has read the current one: under the rest of the work
+//   (on the last head: the raw q, k rows for the norm's backward).
 // - Exponents are differences of chunk-local cumsums, selected to 0 above the diagonal
 //   (no inf, no NaN); row sums go through fixed shuffle trees and per-warp slots summed in
 //   a fixed order: the same bits run to run, and a document's bits do not depend on its
@@ -46,6 +50,7 @@
 
 #include "common/mma_sm80.cuh"
 #include "common/swizzle.cuh"
+#include "common/wgmma_sm90.cuh"
 #include "gdn/bwd_local.h"
 #include "gdn/chunks.cuh"
 #include "gdn/gdn.h"
@@ -59,18 +64,18 @@ constexpr int C = kGdnChunk;
 constexpr int D = kGdnHeadDim;
 static_assert(C == 64 && D == 128, "the tiling below is for 64-token chunks and head dim 128");
 
-// Shared memory (bytes). Tiles of 128 columns are rows of 16 chunks, of 64 columns rows of 8.
+// Shared memory (bytes): SW128 tiles, 1024-byte aligned.
 constexpr int kRowTile = C * D * 2;  // 64 x 128 bf16
 constexpr int kQ = 0;
 constexpr int kK = kQ + kRowTile;
 constexpr int kDo = kK + kRowTile;    // do; on the last head (use_qk_l2norm) the raw q rows
 constexpr int kVn = kDo + kRowTile;   // v_new; then the raw k rows
-constexpr int kV = kVn + kRowTile;    // v; then dv staging
+constexpr int kV = kVn + kRowTile;
 constexpr int kDvn = kV + kRowTile;
 constexpr int kHT = kDvn + kRowTile;  // S^T 128 x 128
 constexpr int kDS = kHT + D * D * 2;  // dS^T 128 x 128
 constexpr int kA = kDS + D * D * 2;   // A 64 x 64
-constexpr int kDw = kA + C * C * 2;
+constexpr int kDw = kA + C * C * 2;  // dw; then dv staging
 constexpr int kDPs = kDw + kRowTile;  // dPs, then dkk (64 x 64 bf16)
 constexpr int kFLd = 72;              // fp32 row stride of dA / A^T dA (conflict-free TF32 fragments)
 constexpr int kDA = kDPs + C * C * 2;
@@ -97,6 +102,9 @@ constexpr int kVGamma = kVDot + 8;
 constexpr int kVecFloats = kVGamma + 8;
 constexpr int kSmemBytes = kVec + kVecFloats * 4;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA an SM");
+static_assert(kK % 1024 == 0 && kDo % 1024 == 0 && kVn % 1024 == 0 && kV % 1024 == 0 && kDvn % 1024 == 0 &&
+                  kHT % 1024 == 0 && kDS % 1024 == 0 && kA % 1024 == 0 && kDw % 1024 == 0 && kDPs % 1024 == 0,
+              "SW128 tiles start 1024-byte aligned");
 static_assert(kDA % 16 == 0 && kVec % 16 == 0, "aligned regions");
 
 __device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_t i) {
@@ -108,22 +116,22 @@ __device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-// The bf16 pair at (row, col), col even, of a swizzled tile of RC chunks a row.
-template <int RC>
+// The bf16 pair at (row, col), col even, of an SW128 tile of ROWS rows.
+template <int ROWS>
 __device__ __forceinline__ float2 ld_pair(const unsigned char* tile, int row, int col) {
-  return unpack_bf16(*reinterpret_cast<const uint32_t*>(tile + swizzle_rows_offset<RC>(row, col >> 3) + (col & 7) * 2));
+  return unpack_bf16(*reinterpret_cast<const uint32_t*>(tile + sw128_offset(ROWS, row, col >> 3) + (col & 7) * 2));
 }
 
-template <int RC>
+template <int ROWS>
 __device__ __forceinline__ void st_pair(unsigned char* tile, int row, int col, float lo, float hi) {
-  *reinterpret_cast<uint32_t*>(tile + swizzle_rows_offset<RC>(row, col >> 3) + (col & 7) * 2) = mma::pack_bf16(lo, hi);
+  *reinterpret_cast<uint32_t*>(tile + sw128_offset(ROWS, row, col >> 3) + (col & 7) * 2) = mma::pack_bf16(lo, hi);
 }
 
-// One bf16 of a swizzled tile of RC chunks a row as the bits of an fp32 (exact, hence a TF32
+// One bf16 of an SW128 tile of ROWS rows as the bits of an fp32 (exact, hence a TF32
 // operand as it is).
-template <int RC>
+template <int ROWS>
 __device__ __forceinline__ uint32_t ld_bf16_bits(const unsigned char* tile, int row, int col) {
-  const uint32_t w = *reinterpret_cast<const uint16_t*>(tile + swizzle_rows_offset<RC>(row, col >> 3) + (col & 7) * 2);
+  const uint32_t w = *reinterpret_cast<const uint16_t*>(tile + sw128_offset(ROWS, row, col >> 3) + (col & 7) * 2);
   return w << 16;
 }
 
@@ -133,42 +141,24 @@ __device__ __forceinline__ uint32_t to_tf32(float x) {
   return r;
 }
 
-// acc (16 x 8 NT, rows m0.., columns n0..) += L R over k = k_begin .. k_end - 1 (multiples
-// of 16), L and R bf16 tiles in shared memory (swizzled rows of ARC / BRC chunks):
-//   kAT = false: L stored [m][k] (row m0 + r), ldmatrix; lane l gives the row address of
-//     matrix l / 8 = mi: (m0 + 8 (mi & 1) + l % 8, chunk k0 / 8 + mi / 2) -> a0 .. a3.
-//   kAT = true: L = S^T with S stored [k][m], ldmatrix.trans (lane 4 gid + t4 receives
-//     S[2 t4 .. +1][gid] = L[gid][2 t4 .. +1], the a0 layout): matrix mi at
-//     (k0 + 8 (mi >> 1) + l % 8, chunk m0 / 8 + (mi & 1)).
-//   kBT = false: R = S^T with S stored [n][k]: ldmatrix gives S[gid][2 t4 ..] = R[2 t4 ..][gid]
-//     (b0); matrices (n, k) = (nb, k0), (nb, k0 + 8), (nb + 8, k0), (nb + 8, k0 + 8):
-//     row nb + 8 (mi >> 1) + l % 8, chunk k0 / 8 + (mi & 1); r0, r1: n-tile nb, r2, r3: nb + 8.
-//   kBT = true: R stored [k][n]: ldmatrix.trans gives R[2 t4 ..][gid] (b0); matrices
-//     (k, n) = (k0, nb), (k0 + 8, nb), (k0, nb + 8), (k0 + 8, nb + 8):
-//     row k0 + 8 (mi & 1) + l % 8, chunk nb / 8 + (mi >> 1).
-template <int NT, bool kAT, bool kBT, int ARC, int BRC>
-__device__ __forceinline__ void warp_gemm(float (&acc)[NT][4], uint32_t a_base, uint32_t b_base, int m0, int n0,
-                                          int k_begin, int k_end, int lane) {
-  const int mi = lane >> 3, r8 = lane & 7;
-#pragma unroll 2
-  for (int k0 = k_begin; k0 < k_end; k0 += 16) {
-    uint32_t a[4];
-    if constexpr (kAT)
-      mma::ldmatrix_x4_trans(a, a_base + swizzle_rows_offset<ARC>(k0 + (mi >> 1) * 8 + r8, (m0 >> 3) + (mi & 1)));
-    else
-      mma::ldmatrix_x4(a, a_base + swizzle_rows_offset<ARC>(m0 + (mi & 1) * 8 + r8, (k0 >> 3) + (mi >> 1)));
+// acc (+)= L R, this warpgroup's share: rows 0 .. 63 (warp rb's 16 in its fragments, as an
+// mma.sync m16n8 tile per 8 columns), NT * 8 columns; L and R in shared memory through the
+// descriptors da(s), db(s) of k16 step s < kSteps, kTransA / kTransB = 1 for an operand
+// stored MN-major; overwrite: acc's old values are dropped. Returns with the result.
+template <int kSteps, int kTransA, int kTransB, int NT, class DescA, class DescB>
+__device__ __forceinline__ void wg_gemm(float (&acc)[NT][4], DescA da, DescB db, bool overwrite) {
+  static_assert(NT == 4 || NT == 8, "m64n32 or m64n64");
+  float(&d)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(acc);
+  wgmma::fence();
 #pragma unroll
-    for (int np = 0; np < NT / 2; ++np) {
-      const int nb = n0 + 16 * np;
-      uint32_t b[4];
-      if constexpr (kBT)
-        mma::ldmatrix_x4_trans(b, b_base + swizzle_rows_offset<BRC>(k0 + (mi & 1) * 8 + r8, (nb >> 3) + (mi >> 1)));
-      else
-        mma::ldmatrix_x4(b, b_base + swizzle_rows_offset<BRC>(nb + (mi >> 1) * 8 + r8, (k0 >> 3) + (mi & 1)));
-      mma::mma_bf16(acc[2 * np], a, b[0], b[1]);
-      mma::mma_bf16(acc[2 * np + 1], a, b[2], b[3]);
-    }
+  for (int s = 0; s < kSteps; ++s) {
+    const int accumulate = overwrite && s == 0 ? 0 : 1;
+    if constexpr (NT == 8) wgmma::mma_ss_m64n64k16<kTransA, kTransB>(d, da(s), db(s), accumulate);
+    else wgmma::mma_ss_m64n32k16<kTransA, kTransB>(d, da(s), db(s), accumulate);
   }
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operands(d);
 }
 
 template <int NT>
@@ -203,7 +193,7 @@ __device__ __forceinline__ void add_scaled_rows(float (&d)[8][4], const float (&
     const float fi = f(i);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const float2 xp = ld_pair<16>(x, i, n0 + 8 * nt + 2 * t4);
+      const float2 xp = ld_pair<C>(x, i, n0 + 8 * nt + 2 * t4);
       rs[v] = fmaf(acc[nt][2 * v], xp.x, fmaf(acc[nt][2 * v + 1], xp.y, rs[v]));
       d[nt][2 * v] = fmaf(fi, acc[nt][2 * v], d[nt][2 * v]);
       d[nt][2 * v + 1] = fmaf(fi, acc[nt][2 * v + 1], d[nt][2 * v + 1]);
@@ -235,43 +225,83 @@ __device__ __forceinline__ void store_col_sums(float (&cs)[NT][2], float* dst, i
   }
 }
 
-// ROWS rows of RC 16-byte chunks from base + r * stride (elements) into a swizzled tile;
-// rows r >= valid are zero-filled (and read nothing).
+// x as a value the compiler cannot move out of a loop: what is formed from it is formed
+// again where it is used, rather than held in registers across the head loop (at 255
+// registers, hoisted addresses and descriptors spill).
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
+__device__ __forceinline__ int opaque_tid() { return static_cast<int>(opaque(threadIdx.x)); }
+
+// ROWS rows of RC 16-byte chunks from base + r * stride (elements) into an SW128 tile;
+// rows r >= valid are zero-filled (and read nothing). A thread's rows differ by multiples
+// of 8, so its swizzled chunk is one for all of them: one shared address and constant
+// steps, formed at each call (opaque_tid).
 template <int RC, int ROWS>
 __device__ __forceinline__ void load_tile(unsigned char* tile, const __nv_bfloat16* base, int64_t stride, int valid) {
+  constexpr int kPassRows = kThreads / RC;
+  static_assert(kPassRows % 8 == 0, "passes of whole swizzle periods");
+  const int tid = opaque_tid();
+  const int r0 = tid / RC, c = tid % RC;
+  const uint32_t dst = mma::smem_addr(tile + sw128_offset(ROWS, r0, c));
+  const __nv_bfloat16* src = base + r0 * stride + c * 8;
 #pragma unroll
-  for (int it = 0; it < ROWS * RC / kThreads; ++it) {
-    const int idx = it * kThreads + static_cast<int>(threadIdx.x);
-    const int r = idx / RC, c = idx % RC;
-    const bool real = r < valid;
-    mma::cp_async_16(mma::smem_addr(tile + swizzle_rows_offset<RC>(r, c)), base + (real ? r : 0) * stride + c * 8,
-                     real);
+  for (int it = 0; it < ROWS / kPassRows; ++it) {
+    const bool real = r0 + it * kPassRows < valid;
+    mma::cp_async_16(dst + it * kPassRows * 128, real ? src + it * kPassRows * stride : base, real);
   }
 }
 
-// Rows r < valid of a swizzled 64 x 128 bf16 tile to base + r * stride, 16-byte stores.
+// Rows r < valid of an SW128 64 x 128 bf16 tile to base + r * stride, 16-byte stores.
 __device__ __forceinline__ void store_tile(const unsigned char* tile, __nv_bfloat16* base, int64_t stride, int valid) {
+  constexpr int kPassRows = kThreads / 16;
+  const int tid = opaque_tid();
+  const int r0 = tid >> 4, c = tid & 15;
+  const unsigned char* src = tile + sw128_offset(C, r0, c);
+  __nv_bfloat16* dst = base + r0 * stride + c * 8;
 #pragma unroll
-  for (int it = 0; it < C * 16 / kThreads; ++it) {
-    const int idx = it * kThreads + static_cast<int>(threadIdx.x);
-    const int r = idx >> 4, c = idx & 15;
-    if (r < valid)
-      mma::st_global_16(base + r * stride + c * 8, *reinterpret_cast<const uint4*>(tile + swizzle_rows_offset<16>(r, c)));
-  }
+  for (int it = 0; it < C / kPassRows; ++it)
+    if (r0 + it * kPassRows < valid)
+      mma::st_global_16(dst + it * kPassRows * stride, *reinterpret_cast<const uint4*>(src + it * kPassRows * 128));
 }
 
-// The per-head loads that the previous head's later phases overlap: do, v_new, S^T, dS^T.
-__device__ __forceinline__ void load_head_first(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv,
-                                                int64_t t0, int len) {
+// A value head's tiles but A, requested under the previous head's phase 2: do, v_new,
+// S^T, dS^T, v, dv_new.
+__device__ __forceinline__ void load_head(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv,
+                                          int64_t t0, int len) {
   const int64_t tape = slot * p.HV + hv;
   load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.dout) + (t0 * p.HV + hv) * D, p.HV * D, len);
   load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.v_new) + tape * C * D, D, len);
   load_tile<16, D>(smem + kHT, static_cast<const __nv_bfloat16*>(p.h) + tape * D * D, D, D);
   load_tile<16, D>(smem + kDS, static_cast<const __nv_bfloat16*>(p.ds) + tape * D * D, D, D);
+  load_tile<16, C>(smem + kV, static_cast<const __nv_bfloat16*>(p.v) + (t0 * p.HV + hv) * D, p.HV * D, len);
+  load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + tape * C * D, D, len);
+}
+
+// Its A, requested once the previous head's phase 2 has read that head's.
+__device__ __forceinline__ void load_a(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv) {
+  load_tile<8, C>(smem + kA, static_cast<const __nv_bfloat16*>(p.a) + (slot * p.HV + hv) * C * C, C, C);
+}
+
+// Token i's gate inputs of a value head, read from global memory a head ahead (by the
+// threads i < 64) and turned into the row vectors at the head's start.
+struct TokenGates {
+  float gcum, gl, beta;
+  bool floor;  // g < kGdnGateFloor
+};
+
+__device__ __forceinline__ TokenGates load_gates(const GdnBwdLocalArgs& p, int64_t slot, int64_t hv, int64_t t0,
+                                                 int len, int i) {
+  const float* gc = p.gcum + (slot * p.HV + hv) * C;
+  const bool real = i < len;
+  const int64_t idx = (t0 + i) * p.HV + hv;
+  return {gc[i], gc[C - 1], real ? load_beta(p.beta, p.beta_dtype, idx) : 0.f, real && p.g[idx] < kGdnGateFloor};
 }
 
 __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwdLocalArgs p) {
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(1024) unsigned char smem[];
   float* vec = reinterpret_cast<float*>(smem + kVec);
 
   const int H = static_cast<int>(p.H);
@@ -301,18 +331,30 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
                  sDvn = mma::smem_addr(smem + kDvn), sHT = mma::smem_addr(smem + kHT),
                  sDS = mma::smem_addr(smem + kDS), sA = mma::smem_addr(smem + kA), sDw = mma::smem_addr(smem + kDw),
                  sDPs = mma::smem_addr(smem + kDPs);
+  // Operand descriptors of k16 step s (wgmma_sm90.cuh): a K-major 64-row tile from a row
+  // (M or N); an MN-major right operand of `rows` K-rows, this warpgroup's column block
+  // (its 64 columns); a 64 x 64 left operand read MN-major (transposed).
+  // Formed at each product (opaque).
+  const auto kmaj = [](uint32_t tile, int row, int s) { return wgmma::desc_k_major(opaque(tile) + row * 128, C, s); };
+  const auto mn_b = [ch](uint32_t tile, int rows, int s) {
+    return wgmma::desc_mn_major(opaque(tile) + ch * rows * 128, rows, s);
+  };
+  const auto mn_a = [](uint32_t tile, int s) { return wgmma::desc_mn_major(opaque(tile), C, s); };
   const float* gl2 = vec + kVGl2;
   const float* eg = vec + kVEg;
   const float* dte = vec + kVDte;
   const float* bet = vec + kVBeta;
   float* fA = reinterpret_cast<float*>(smem + kDA);
 
-  // Prologue: q, k and the first value head's do, v_new, S^T, dS^T in flight.
+  // Prologue: q, k and the first value head's tiles and gates in flight.
   const int64_t hv_first = static_cast<int64_t>(h) * G;
   load_tile<16, C>(smem + kQ, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H + h) * D, p.H * D, len);
   load_tile<16, C>(smem + kK, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H + h) * D, p.H * D, len);
-  load_head_first(p, smem, slot, hv_first, t0, len);
+  load_head(p, smem, slot, hv_first, t0, len);
+  load_a(p, smem, slot, hv_first);
   mma::cp_async_commit();
+  TokenGates gates{};
+  if (tid < C) gates = load_gates(p, slot, hv_first, t0, len, tid);
 
   float dq[8][4], dk[8][4];  // rows m0.., columns n0.., summed over the group
   zero(dq);
@@ -320,25 +362,17 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 
   for (int j = 0; j < G; ++j) {
     const int64_t hv = hv_first + j;
-    const int64_t tape = slot * HV + hv;
-    load_tile<16, C>(smem + kV, static_cast<const __nv_bfloat16*>(p.v) + (t0 * HV + hv) * D, HV * D, len);
-    load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + tape * C * D, D, len);
-    load_tile<8, C>(smem + kA, static_cast<const __nv_bfloat16*>(p.a) + tape * C * C, C, C);
-    mma::cp_async_commit();
-    if (tid < C) {  // the gates of this head
+    if (tid < C) {  // this head's row vectors
       const int i = tid;
-      const float* gc = p.gcum + tape * C;
-      const float gci = gc[i], gl = gc[C - 1];
-      const bool real = i < len;
-      const int64_t idx = (t0 + i) * HV + hv;
-      vec[kVGl2 + i] = gci * mma::kLog2e;
-      vec[kVEg + i] = expf(gci);
-      vec[kVDte + i] = expf(gl - gci);
-      vec[kVBeta + i] = real ? load_beta(p.beta, p.beta_dtype, idx) : 0.f;
-      vec[kVFloor + i] = real && p.g[idx] < kGdnGateFloor ? 1.f : 0.f;
-      if (i == 0) vec[kVGamma] = expf(gl);
+      vec[kVGl2 + i] = gates.gcum * mma::kLog2e;
+      vec[kVEg + i] = expf(gates.gcum);
+      vec[kVDte + i] = expf(gates.gl - gates.gcum);
+      vec[kVBeta + i] = gates.beta;
+      vec[kVFloor + i] = gates.floor ? 1.f : 0.f;
+      if (i == 0) vec[kVGamma] = expf(gates.gl);
     }
     mma::cp_async_wait_all();
+    wgmma::fence_proxy_async();
     __syncthreads();
 
     if (j == 0 && p.use_qk_l2norm) {  // normalise q, k in place (bf16), keep 1 / |x| per row
@@ -350,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         float ss = 0.f;
 #pragma unroll
         for (int c4 = 0; c4 < 4; ++c4) {
-          w[c4] = *reinterpret_cast<const uint4*>(tile + swizzle_rows_offset<16>(r, 4 * part + c4));
+          w[c4] = *reinterpret_cast<const uint4*>(tile + sw128_offset(C, r, 4 * part + c4));
           const uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
@@ -370,36 +404,34 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
             const float2 f = unpack_bf16(u[e]);
             u[e] = mma::pack_bf16(f.x * rs, f.y * rs);
           }
-          *reinterpret_cast<uint4*>(tile + swizzle_rows_offset<16>(r, 4 * part + c4)) = make_uint4(u[0], u[1], u[2], u[3]);
+          *reinterpret_cast<uint4*>(tile + sw128_offset(C, r, 4 * part + c4)) = make_uint4(u[0], u[1], u[2], u[3]);
         }
         if (part == 0) vec[(t ? kVRk : kVRq) + r] = rs;
       }
+      wgmma::fence_proxy_async();
       __syncthreads();
     }
 
     // ---- Phase 1a: the products over V (and K) of the staged tiles.
     {  // dq_gated = do S^T: dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
       float acc[8][4];
-      zero(acc);
-      warp_gemm<8, false, true, 16, 16>(acc, sDo, sHT, m0, n0, 0, D, lane);
+      wg_gemm<8, 0, 1>(acc, [&](int s) { return kmaj(sDo, 0, s); }, [&](int s) { return mn_b(sHT, D, s); }, true);
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<true>(dq, acc, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
     }
     {  // dw = -dv_new S^T, to shared memory (bf16)
       float acc[8][4];
-      zero(acc);
-      warp_gemm<8, false, true, 16, 16>(acc, sDvn, sHT, m0, n0, 0, D, lane);
+      wg_gemm<8, 0, 1>(acc, [&](int s) { return kmaj(sDvn, 0, s); }, [&](int s) { return mn_b(sHT, D, s); }, true);
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int v = 0; v < 2; ++v)
-          st_pair<16>(smem + kDw, m0 + gid + 8 * v, n0 + 8 * nt + 2 * t4, -acc[nt][2 * v], -acc[nt][2 * v + 1]);
+          st_pair<C>(smem + kDw, m0 + gid + 8 * v, n0 + 8 * nt + 2 * t4, -acc[nt][2 * v], -acc[nt][2 * v + 1]);
     }
     {  // dk_decayed = v_new dS^T: dk += dte dk_decayed; t = dte (dk_decayed . k)
       float acc[8][4];
-      zero(acc);
-      warp_gemm<8, false, true, 16, 16>(acc, sVn, sDS, m0, n0, 0, D, lane);
+      wg_gemm<8, 0, 1>(acc, [&](int s) { return kmaj(sVn, 0, s); }, [&](int s) { return mn_b(sDS, D, s); }, true);
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<true>(dk, acc, smem + kK, [&](int i) { return dte[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowT + C * ch, m0, lane);
@@ -412,8 +444,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         const int64_t state = (pos.doc * HV + hv) * D * D;
         for (int e = tid; e < D * D; e += kThreads) {
           const int kk = e >> 7, vv = e & (D - 1);
-          const float sv = exact_h0 ? p.initial_state[state + e] : __uint_as_float(ld_bf16_bits<16>(smem + kHT, vv, kk));
-          const float dsv = exact_dht ? p.dht[state + e] : __uint_as_float(ld_bf16_bits<16>(smem + kDS, vv, kk));
+          const float sv = exact_h0 ? p.initial_state[state + e] : __uint_as_float(ld_bf16_bits<D>(smem + kHT, vv, kk));
+          const float dsv = exact_dht ? p.dht[state + e] : __uint_as_float(ld_bf16_bits<D>(smem + kDS, vv, kk));
           s = fmaf(sv, dsv, s);
         }
       } else {  // both tapes share one layout, so element for element
@@ -436,11 +468,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     }
     {  // dP = do v_new^T: d gcum += rowsum - colsum (dP o P); dPs = scale dP o D (bf16)
       float acc[4][4];
-      zero(acc);
-      warp_gemm<4, false, false, 16, 16>(acc, sDo, sVn, m0, j0, 0, D, lane);
+      wg_gemm<8, 0, 0>(acc, [&](int s) { return kmaj(sDo, 0, s); }, [&](int s) { return kmaj(sVn, j0, s); }, true);
       float qk[4][4];  // q k^T, formed again per head (cheaper than 16 registers held throughout)
-      zero(qk);
-      warp_gemm<4, false, false, 16, 16>(qk, sQ, sK, m0, j0, 0, D, lane);
+      wg_gemm<8, 0, 0>(qk, [&](int s) { return kmaj(sQ, 0, s); }, [&](int s) { return kmaj(sK, j0, s); }, true);
       float rs[2] = {0.f, 0.f}, cs[4][2] = {};
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
@@ -459,21 +489,20 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
             cs[nt][c] += dpp;
             ps[c] = scale * dp * d;
           }
-          st_pair<8>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, ps[0], ps[1]);
+          st_pair<C>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, ps[0], ps[1]);
         }
       }
       store_row_sums(rs, vec + kVRowP + C * ch, m0, lane);
       store_col_sums<4>(cs, vec + kVColP + C * rb, j0, lane);
     }
+    wgmma::fence_proxy_async();
     __syncthreads();  // dw, dPs complete
 
     // ---- Phase 1b.
     {  // dA = beta_j (eg_j (dw k^T) + dv_new v^T), fp32
       float acc[4][4], dvv[4][4];
-      zero(acc);
-      zero(dvv);
-      warp_gemm<4, false, false, 16, 16>(acc, sDw, sK, m0, j0, 0, D, lane);
-      warp_gemm<4, false, false, 16, 16>(dvv, sDvn, sV, m0, j0, 0, D, lane);
+      wg_gemm<8, 0, 0>(acc, [&](int s) { return kmaj(sDw, 0, s); }, [&](int s) { return kmaj(sK, j0, s); }, true);
+      wg_gemm<8, 0, 0>(dvv, [&](int s) { return kmaj(sDvn, 0, s); }, [&](int s) { return kmaj(sV, j0, s); }, true);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int jj = j0 + 8 * nt + 2 * t4;
@@ -486,22 +515,23 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         }
       }
     }
-    // dq += dPs k (dPs lower: columns <= the rows); dk += dPs^T q (rows >= the columns).
-    warp_gemm<8, false, true, 8, 16>(dq, sDPs, sK, m0, n0, 0, m0 + 16, lane);
-    warp_gemm<8, true, true, 8, 16>(dk, sDPs, sQ, m0, n0, m0, C, lane);
-    {  // dXw = A^T dw (A unit lower: rows >= the columns): dk += beta eg dXw; row sums dXw . k
+    // dq += dPs k; dk += dPs^T q.
+    wg_gemm<4, 0, 1>(dq, [&](int s) { return kmaj(sDPs, 0, s); }, [&](int s) { return mn_b(sK, C, s); }, false);
+    wg_gemm<4, 1, 1>(dk, [&](int s) { return mn_a(sDPs, s); }, [&](int s) { return mn_b(sQ, C, s); },
+                     false);
+    {  // dXw = A^T dw: dk += beta eg dXw; row sums dXw . k
       float acc[8][4];
-      zero(acc);
-      warp_gemm<8, true, true, 8, 16>(acc, sA, sDw, m0, n0, m0, C, lane);
+      wg_gemm<4, 1, 1>(acc, [&](int s) { return mn_a(sA, s); }, [&](int s) { return mn_b(sDw, C, s); },
+                       true);
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<false>(dk, acc, smem + kK, [&](int i) { return bet[i] * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowXw + C * ch, m0, lane);
     }
-    // dXu = A^T dv_new: row sums dXu . v; dv = beta dXu, staged over v once every warp has
-    // read v (dv_new v^T above), so held in registers across the barrier.
+    // dXu = A^T dv_new: row sums dXu . v; dv = beta dXu, staged over dw once every warp has
+    // read dw (dA above), so held in registers across the barrier.
     float dxu[8][4];
-    zero(dxu);
-    warp_gemm<8, true, true, 8, 16>(dxu, sA, sDvn, m0, n0, m0, C, lane);
+    wg_gemm<4, 1, 1>(dxu, [&](int s) { return mn_a(sA, s); }, [&](int s) { return mn_b(sDvn, C, s); },
+                     true);
     {
       float rs[2] = {0.f, 0.f};
 #pragma unroll
@@ -509,25 +539,26 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         const int i = m0 + gid + 8 * v;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<16>(smem + kV, i, n0 + 8 * nt + 2 * t4);
+          const float2 x = ld_pair<C>(smem + kV, i, n0 + 8 * nt + 2 * t4);
           rs[v] = fmaf(dxu[nt][2 * v], x.x, fmaf(dxu[nt][2 * v + 1], x.y, rs[v]));
         }
       }
       store_row_sums(rs, vec + kVRowXu + C * ch, m0, lane);
     }
-    __syncthreads();  // dA complete; do, v_new, S^T, dS^T, v read
+    __syncthreads();  // dA complete; do, v_new, S^T, dS^T, v, dv_new, dw read
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       const int i = m0 + gid + 8 * v;
       const float b = bet[i];
 #pragma unroll
       for (int nt = 0; nt < 8; ++nt)
-        st_pair<16>(smem + kV, i, n0 + 8 * nt + 2 * t4, b * dxu[nt][2 * v], b * dxu[nt][2 * v + 1]);
+        st_pair<C>(smem + kDw, i, n0 + 8 * nt + 2 * t4, b * dxu[nt][2 * v], b * dxu[nt][2 * v + 1]);
     }
 
     if (j + 1 < G) {
-      load_head_first(p, smem, slot, hv + 1, t0, len);
+      load_head(p, smem, slot, hv + 1, t0, len);
       mma::cp_async_commit();
+      if (tid < C) gates = load_gates(p, slot, hv + 1, t0, len, tid);
     } else if (p.use_qk_l2norm) {  // the raw rows for the norm's backward
       load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H + h) * D, p.H * D, len);
       load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H + h) * D, p.H * D, len);
@@ -542,8 +573,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       const unsigned char* tA = smem + kA;
 #pragma unroll 2
       for (int mm = m0; mm < C; mm += 8) {
-        const uint32_t a[4] = {ld_bf16_bits<8>(tA, mm + t4, m0 + gid), ld_bf16_bits<8>(tA, mm + t4, m0 + gid + 8),
-                               ld_bf16_bits<8>(tA, mm + t4 + 4, m0 + gid), ld_bf16_bits<8>(tA, mm + t4 + 4, m0 + gid + 8)};
+        const uint32_t a[4] = {ld_bf16_bits<C>(tA, mm + t4, m0 + gid), ld_bf16_bits<C>(tA, mm + t4, m0 + gid + 8),
+                               ld_bf16_bits<C>(tA, mm + t4 + 4, m0 + gid), ld_bf16_bits<C>(tA, mm + t4 + 4, m0 + gid + 8)};
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int jj = j0 + 8 * nt + gid;
@@ -551,7 +582,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         }
       }
       __syncthreads();  // dA read by every warp; dv staged
-      store_tile(smem + kV, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV + hv) * D, HV * D, len);
+      store_tile(smem + kDw, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV + hv) * D, HV * D, len);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -573,14 +604,13 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int jj = j0 + 8 * nt + gid;
-          mma::mma_tf32(y[nt], a, ld_bf16_bits<8>(tA, jj, mm + t4), ld_bf16_bits<8>(tA, jj, mm + t4 + 4));
+          mma::mma_tf32(y[nt], a, ld_bf16_bits<C>(tA, jj, mm + t4), ld_bf16_bits<C>(tA, jj, mm + t4 + 4));
         }
       }
       // dL = -Y below the diagonal: dbeta += rowsum(dL o D o kk); d gcum += rowsum - colsum of
       // that times beta_i; dkk = dL beta_i D (bf16, over dPs, which phase 1b has read).
       float kk[4][4];  // k k^T, formed again per head
-      zero(kk);
-      warp_gemm<4, false, false, 16, 16>(kk, sK, sK, m0, j0, 0, D, lane);
+      wg_gemm<8, 0, 0>(kk, [&](int s) { return kmaj(sK, 0, s); }, [&](int s) { return kmaj(sK, j0, s); }, true);
       float rb_s[2] = {0.f, 0.f}, rl_s[2] = {0.f, 0.f}, cs[4][2] = {};
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
@@ -602,18 +632,24 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
             cs[nt][c] += dll;
             dkk[c] = dl * bi * d;
           }
-          st_pair<8>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, dkk[0], dkk[1]);
+          st_pair<C>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, dkk[0], dkk[1]);
         }
       }
       store_row_sums(rb_s, vec + kVRowB + C * ch, m0, lane);
       store_row_sums(rl_s, vec + kVRowL + C * ch, m0, lane);
       store_col_sums<4>(cs, vec + kVColL + C * rb, j0, lane);
     }
-    __syncthreads();  // dkk and every row / column sum complete
+    wgmma::fence_proxy_async();
+    __syncthreads();  // dkk and every row / column sum complete; A read
+    if (j + 1 < G) {
+      load_a(p, smem, slot, hv + 1);
+      mma::cp_async_commit();
+    }
 
-    // dk += dkk k + dkk^T k (dkk strictly lower).
-    warp_gemm<8, false, true, 8, 16>(dk, sDPs, sK, m0, n0, 0, m0 + 16, lane);
-    warp_gemm<8, true, true, 8, 16>(dk, sDPs, sK, m0, n0, m0, C, lane);
+    // dk += dkk k + dkk^T k.
+    wg_gemm<4, 0, 1>(dk, [&](int s) { return kmaj(sDPs, 0, s); }, [&](int s) { return mn_b(sK, C, s); }, false);
+    wg_gemm<4, 1, 1>(dk, [&](int s) { return mn_a(sDPs, s); }, [&](int s) { return mn_b(sK, C, s); },
+                     false);
 
     if (warp == 0) {  // d gcum, dbeta per token; dg = reverse cumsum of d gcum
       float dgc[2], dbt[2], tsum = 0.f;
@@ -683,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         const float ri = r[i];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<16>(raw, i, n0 + 8 * nt + 2 * t4);
+          const float2 x = ld_pair<C>(raw, i, n0 + 8 * nt + 2 * t4);
           rs[v] = fmaf(d[nt][2 * v], x.x * ri, fmaf(d[nt][2 * v + 1], x.y * ri, rs[v]));
         }
       }
@@ -702,7 +738,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         const float ri = r[i], dx = dot[i] + dot[C + i];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<16>(raw, i, n0 + 8 * nt + 2 * t4);
+          const float2 x = ld_pair<C>(raw, i, n0 + 8 * nt + 2 * t4);
           d[nt][2 * v] = (d[nt][2 * v] - x.x * ri * dx) * ri;
           d[nt][2 * v + 1] = (d[nt][2 * v + 1] - x.y * ri * dx) * ri;
         }
@@ -715,8 +751,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       const int i = m0 + gid + 8 * v, col = n0 + 8 * nt + 2 * t4;
-      st_pair<16>(smem + kQ, i, col, dq[nt][2 * v], dq[nt][2 * v + 1]);
-      st_pair<16>(smem + kK, i, col, dk[nt][2 * v], dk[nt][2 * v + 1]);
+      st_pair<C>(smem + kQ, i, col, dq[nt][2 * v], dq[nt][2 * v + 1]);
+      st_pair<C>(smem + kK, i, col, dk[nt][2 * v], dk[nt][2 * v + 1]);
     }
   __syncthreads();
   store_tile(smem + kQ, static_cast<__nv_bfloat16*>(p.dq) + (t0 * p.H + h) * D, p.H * D, len);

@@ -151,7 +151,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const Wal
       wgmma::fence();
 #pragma unroll
       for (int ks = 0; ks < 8; ++ks)
-        wgmma::mma_ss_m64n64k16(pq, wgmma::desc_k_major(sq, 64, ks), wgmma::desc_k_major(sk, 64, ks), ks > 0);
+        wgmma::mma_ss_m64n64k16<0, 0>(pq, wgmma::desc_k_major(sq, 64, ks), wgmma::desc_k_major(sk, 64, ks), ks > 0);
       wgmma::commit();
       float row_term[2];
 #pragma unroll

@@ -20,7 +20,7 @@ from cake_ops.testing import accuracy, poisoned_allocations
 
 from cases import GdnCase, params
 from conftest import record_accuracy
-from green_contexts import on_green_context, timed
+from green_contexts import on_green_context, slowdown_on
 
 pytestmark = pytest.mark.gpu
 
@@ -144,12 +144,14 @@ def test_deterministic_bits_do_not_depend_on_the_sm_count(ops):
     inp = case.inputs("cuda")
     do, dht = _grad_inputs(inp, 6)
     run = lambda: _bwd(ops, inp, True, do, dht)  # noqa: E731
-    full, ms_full = timed(run, 2)
+    full = run()
     for num_sms in (64, 16):
-        got, ms = on_green_context(num_sms, run, 2)
+        got, _ = on_green_context(num_sms, run, 2)
         assert all(torch.equal(a, b) for a, b in zip(got, full)), f"{num_sms} SMs: other bits"
-        if num_sms == 16:
-            assert ms >= 2 * ms_full, f"16 SMs took {ms:.3f} ms, the whole GPU {ms_full:.3f}: not held?"
+    # The backward's own time is no check that the context held: its reverse walks, one per
+    # (document, value head), are latency-bound and as many as 16 SMs.
+    slowdown = slowdown_on(16)
+    assert slowdown >= 2, f"a matmul on 16 SMs took {slowdown:.2f}x its whole-GPU time: not held?"
 
 
 def test_nondeterministic_plan_within_contract(ops):
