@@ -4,13 +4,25 @@
     ncu --kernel-name regex:gdn_fwd_walk_kernel --launch-skip 1 --launch-count 1 \
         --section WarpStateStats --section SourceCounters -o walk python3 <script>
     ncu -i walk.ncu-rep --page source --csv --print-source sass > walk_sass.csv
-    python tools/ncu_sass_stalls.py walk_sass.csv [--top 20]
+    python tools/ncu_sass_stalls.py walk_sass.csv [--top 20] [--cubin walk.cubin --kernel gdn_fwd_walk]
 
 Warps of different roles run different code, so an instruction's execution count tells
 the role apart (e.g. in the GDN walk the state warps execute their loop twice as often
 as the aux warps). Per execution count: instructions per warp and chunk are not known
 here, so the script prints, for each count, the sampled stall reasons and the opcode
 mix (executions and samples), then the most-sampled instructions with their reasons.
+
+With --cubin, also the samples per source line (file:line, the reasons, the line's
+text): the export's instructions are matched by offset to the line table of the same
+kernel compiled to a cubin with the build's flags, e.g.
+
+    nvcc -cubin -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -I csrc \
+        csrc/gdn/bwd_local.cu -o bwd_local.cubin
+
+(nvdisasm --print-line-info reads it; the opcodes are compared instruction by instruction,
+so a cubin of other code is refused.) The source lines are printed from the paths the
+cubin names, where they exist here. On the H200 machine ncu reads the counters with
+--clock-control none (Firecracker; see the device notes).
 """
 
 from __future__ import annotations
@@ -18,6 +30,10 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
+import re
+import shutil
+import subprocess
+from pathlib import Path
 
 
 def _num(x: str) -> float:
@@ -27,11 +43,76 @@ def _num(x: str) -> float:
         return 0.0
 
 
+def _opcode(text: str) -> str:
+    words = text.split()
+    op = words[1] if words and words[0].startswith("@") and len(words) > 1 else (words[0] if words else "?")
+    return op.split(".")[0]
+
+
+def line_table(sass: str, kernel: str) -> dict[int, tuple[str, int, str]]:
+    """{offset: (file, line, opcode)} of the first function whose name holds `kernel`, from
+    the text of nvdisasm --print-line-info."""
+    table: dict[int, tuple[str, int, str]] = {}
+    inside, where = False, ("?", 0)
+    for line in sass.splitlines():
+        if line.startswith(".text."):
+            if inside:
+                break
+            inside = kernel in line
+            continue
+        if not inside:
+            continue
+        m = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
+        if m:
+            where = (m.group(1), int(m.group(2)))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*)", line)
+        if m:
+            table[int(m.group(1), 16)] = (where[0], where[1], _opcode(m.group(2).split(";")[0]))
+    if not table:
+        raise SystemExit(f"no function with {kernel!r} in its name in the cubin")
+    return table
+
+
+def samples_by_line(hdr, data, table) -> dict[tuple[str, int], collections.Counter]:
+    """{(file, line): Counter of stall reasons (and 'all')} over the export's rows, whose
+    first column is the instruction's address; offsets from the first row's."""
+    i_src, i_smp = hdr.index("Source"), hdr.index("Warp Stall Sampling (All Samples)")
+    reasons = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
+    base = int(data[0][0], 16)
+    out: dict[tuple[str, int], collections.Counter] = collections.defaultdict(collections.Counter)
+    for r in data:
+        off = int(r[0], 16) - base
+        if off not in table or table[off][2] != _opcode(r[i_src]):
+            raise SystemExit(f"instruction at +{off:#x} ({r[i_src].strip()}) is not the cubin's: other code?")
+        f, ln, _ = table[off]
+        c = out[(f, ln)]
+        c["all"] += _num(r[i_smp])
+        for h in reasons:
+            c[h[len("stall_"):]] += _num(r[hdr.index(h)])
+    return out
+
+
+def print_lines(by_line, top: int) -> None:
+    total = sum(c["all"] for c in by_line.values()) or 1.0
+    texts: dict[str, list[str]] = {}
+    print(f"== top {top} source lines by samples")
+    for (f, ln), c in sorted(by_line.items(), key=lambda kv: -kv[1]["all"])[:top]:
+        if f not in texts:
+            texts[f] = Path(f).read_text().splitlines() if Path(f).is_file() else []
+        text = texts[f][ln - 1].strip()[:70] if 0 < ln <= len(texts[f]) else ""
+        why = ", ".join(f"{k} {v / total:.1%}" for k, v in c.most_common(4) if k != "all" and v)[:48]
+        print(f"  {c['all'] / total:6.1%}  {Path(f).name}:{ln:<5d} [{why}] {text}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
     ap.add_argument("--top", type=int, default=20, help="most-sampled instructions to list")
     ap.add_argument("--min-exec", type=float, default=1000, help="ignore execution counts below this")
+    ap.add_argument("--cubin", help="the kernel compiled with -lineinfo: samples per source line too")
+    ap.add_argument("--kernel", default="", help="with --cubin: a part of the kernel's (mangled) name")
+    ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
     args = ap.parse_args()
 
     rows = list(csv.reader(open(args.csv)))
@@ -71,6 +152,10 @@ def main() -> None:
         why = sorted(((h[len("stall_"):], _num(r[i_rsn[h]])) for h in reasons), key=lambda x: -x[1])[:3]
         print(f"  #{idx:5d} exec {int(_num(r[i_exe])):7d} samples {int(_num(r[i_smp])):6d}  "
               f"{r[i_src].strip()[:60]:60s} {', '.join(f'{k} {int(v)}' for k, v in why if v)}")
+    if args.cubin:
+        sass = subprocess.run([args.nvdisasm, "--print-line-info", args.cubin], capture_output=True, text=True,
+                              check=True).stdout
+        print_lines(samples_by_line(hdr, data, line_table(sass, args.kernel)), args.top)
 
 
 if __name__ == "__main__":
