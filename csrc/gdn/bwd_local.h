@@ -5,7 +5,7 @@
 // and dv_new), every gradient that is local to a chunk: dq, dk (summed over the GVA group,
 // through the in-op L2 norm), dv, dg (the chunk-local reverse cumsum of d gcum) and dbeta.
 // The math is cake_ops/pytorch/gdn.py local_gradients, line by line; the kernel and its
-// layout: bwd_local.cu. Torch-free (the binding: gdn/binding_bwd_local.cpp).
+// layout: bwd_local.cu. Torch-free (the binding: gdn/binding.cpp).
 //
 //   q, k        [T, H, 128] bf16 raw (normalised in the kernel when use_qk_l2norm)
 //   v, dout     [T, HV, 128] bf16        (dout: the gradient of o)

@@ -11,7 +11,7 @@
 // (Q, K the raw bf16 rows; X K = -dv_new^T W with W = a diag(e^gcum) k^, associated the
 // other way: no W tile, the per-token factors applied in fp32 on the accumulator.)
 //
-// Why it is as it is (a first, correctness-first version; see the report of B2):
+// Why it is as it is (a first, correctness-first version; docs/kernels.md, "Backward"):
 // - mma.sync m16n8k16 bf16 -> fp32 only (no wgmma, no warp specialisation). Every
 //   product's left operand is either an accumulator repacked in registers (dS^T, dv_new^T,
 //   X: the accumulator-to-A-fragment trick of mma_sm80.cuh) or do^T from ldmatrix.trans;

@@ -2,7 +2,7 @@
 
 // The GDN backward's reverse walk of the state gradient ("B2"; docs/math.md, "Chunked
 // form"; cake_ops/pytorch/gdn.py walk_tapes, the reverse loop). Torch-free: the binding
-// (gdn/binding_bwd_walk.cpp, to be merged into gdn/binding.cpp) is the torch side.
+// (gdn/binding.cpp) is the torch side.
 //
 // Per (document n, value head hv), one CTA, walking the document's chunks from its last
 // to its first, with dS (K x V fp32, the gradient of the state at the current chunk's
