@@ -31,25 +31,18 @@ from cake_ops.bench.shapes import make_gate  # noqa: E402
 from cake_ops.pytorch import gdn as pytorch_gdn  # noqa: E402
 from cake_ops.reference import gdn_reference  # noqa: E402
 from cake_ops.testing import accuracy, make_gdn_inputs  # noqa: E402
-from cake_ops.varlen import to_chunks  # noqa: E402
 
 TRUNCATE_AT = -20.0  # the forward's threshold (docs/kernels.md, "Truncated cuts")
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
 
 class ReverseSteps:
-    """The per-chunk reverse step of one document's chunks 0 .. nc - 1 (its slots):
-    dS_start = dS_from_o + gamma dS_end - w^T (dv_new_local + k_decayed dS_end)."""
+    """The reverse step (cake_ops.pytorch.gdn reverse_step_terms) over a range of one
+    document's chunks 0 .. nc - 1 (its slots), from a given end gradient."""
 
     def __init__(self, prep, do, scale):
-        gcum = prep.gcum
-        q_gated = scale * gcum.exp()[..., None] * prep.q
-        P = scale * prep.qk * prep.decay
-        doc_ = to_chunks(do.float(), prep.layout)
         self.prep = prep
-        self.dv_new_local = P.transpose(-1, -2) @ doc_
-        self.dS_from_o = q_gated.transpose(-1, -2) @ doc_
-        self.gamma = gcum[..., -1].exp()
+        self.dv_new_local, self.dS_from_o, self.gamma = pytorch_gdn.reverse_step_terms(prep, do, scale)
 
     def walk(self, c_end, c_begin, dS, dS_tape=None, dv_tape=None, homogeneous=False):
         """Walks chunks c_end - 1 down to c_begin from dS (the gradient at chunk c_end - 1's

@@ -151,6 +151,17 @@ class Tapes(NamedTuple):
     dh0: torch.Tensor  # [N, HV, K, V] the gradient of the initial state
 
 
+def reverse_step_terms(prep: Prepared, do, scale):
+    """The state-independent terms of the reverse walk's step per chunk, (dv_new_local,
+    dS_from_o, gamma): dv_new = dv_new_local + k_decayed dS_end, dS_start = dS_from_o +
+    gamma dS_end - w^T dv_new."""
+    gcum = prep.gcum
+    q_gated = scale * gcum.exp()[..., None] * prep.q  # the output's state term reads S through e^gcum q
+    P = scale * prep.qk * prep.decay  # intra-chunk attention, lower triangle incl. diagonal
+    doc_ = to_chunks(do.float(), prep.layout)  # [NC, HV, C, V]
+    return P.transpose(-1, -2) @ doc_, q_gated.transpose(-1, -2) @ doc_, gcum[..., -1].exp()
+
+
 def walk_tapes(prep: Prepared, do, dht, initial_state, scale) -> Tapes:
     """The sequential part of the backward: the state walk forward (h, v_new) and the
     state gradient's walk back (dS_end, dv_new, dh0)."""
@@ -160,15 +171,9 @@ def walk_tapes(prep: Prepared, do, dht, initial_state, scale) -> Tapes:
     h0 = initial_state.float() if initial_state is not None else prep.u.new_zeros(N, HV, K, V)
     h, v_new, _ = _walk(prep, h0)
     dht = dht.float() if dht is not None else h0.new_zeros(N, HV, K, V)
-    gcum, decay = prep.gcum, prep.decay
-    q_gated = scale * gcum.exp()[..., None] * prep.q  # the output's state term reads S through e^gcum q
-    P = scale * prep.qk * decay  # intra-chunk attention, lower triangle incl. diagonal
-    doc_ = to_chunks(do.float(), lay)  # [NC, HV, C, V]
-    gamma = gcum[..., -1].exp()
+    dv_new_local, dS_from_o, gamma = reverse_step_terms(prep, do, scale)
 
     # Reverse walk: dS is the gradient of the state at the end of a chunk.
-    dv_new_local = P.transpose(-1, -2) @ doc_
-    dS_from_o = q_gated.transpose(-1, -2) @ doc_  # [NC, HV, K, V]
     dS_end = torch.empty_like(h)
     dv_new = torch.empty_like(v_new)
     dht_slot = dht[lay.doc]
