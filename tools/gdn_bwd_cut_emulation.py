@@ -3,9 +3,9 @@
 
     python tools/gdn_bwd_cut_emulation.py [--tokens 4096] [--seg 16] [--gate mamba] [--heads 2]   # CPU, a minute
 
-The CUDA reverse walk is uncut: one walk per (document, value head). docs/kernels.md
-("Backward", Next) proposes cutting it at the forward's grid. Then each segment's walk
-needs the state gradient at its end, which is dS_start of the next segment:
+The CUDA reverse walk (csrc/gdn/bwd_walk.cu; docs/kernels.md, "The cut reverse walk") is
+cut at the forward's grid. Each segment's walk needs the state gradient at its end, which
+is dS_start of the next segment:
   exact:     dS_start(s) = M_s^T dS_end(s) + F_s, with F_s segment s walked back from zero
              and the chain run from the document's last segment down;
   truncated: segment s's first chunks alone, walked back from zero over the shortest

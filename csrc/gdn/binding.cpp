@@ -332,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
   p.N = N;
   p.H = H;
   p.HV = HV;
-  p.scale = static_cast<float>(scale);
+  p.scale = static_cast<float>(scale);  // seg_offsets = nullptr: uncut, one walk per document
   const cudaError_t err = gdn_bwd_walk_launch(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return {dS, dv_new, dh0};
@@ -498,6 +498,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   r.dS = ws + w.dS_tape;
   r.dv_new = ws + w.dv_new_tape;
   r.dh0 = dh0.data_ptr<float>();
+  // The forward's cut grid; the cuts' workspaces are the forward's seg_ pieces, free once
+  // the tape walk has run (bwd_walk.h).
+  r.seg_offsets = f.seg_offsets;
+  r.chunk_decay = f.chunk_decay;
+  r.seg_grad = f.seg_state;
+  r.seg_transfer = f.seg_transfer;
+  r.seg_exact = f.seg_exact;
+  r.seg_chunks = f.seg_chunks;
+  r.seg_long_max = f.seg_long_max;
+  r.inner_slots = plan.inner_slots;
+  r.segment_slots = gdn_fwd_segment_slots(s.T, s.N, gdn_fwd_finest_cut_chunks(plan.seg_chunks, plan.seg_long_max));
   r.T = s.T;
   r.N = s.N;
   r.H = s.H;

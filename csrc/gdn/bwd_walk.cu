@@ -27,16 +27,21 @@
 // - The tapes go out through shared staging as 16-byte stores: the dS tape (16 rows of
 //   256 bytes a warp), the dv_new tape (64 token rows x the warp's 32 bytes).
 // - The walk over a chunk range with a given start gradient is one function
-//   (walk_chunks), for the segmented walks that come later.
+//   (walk_chunks); the cut walk's three kernels (bwd_walk.h) are made of it: the
+//   summaries walk without tapes (and, for M^T, without do: its tile zero-filled), the
+//   tape walk from the chained gradients. The chain is plain fp32 FMAs in a fixed order,
+//   one CTA per (document, value head, 16 value columns), as the forward's (fwd_chain.cu).
 
 #include <cstdint>
 
 #include <cuda_bf16.h>
 
 #include "common/mma_sm80.cuh"
+#include "common/scan.cuh"
 #include "common/swizzle.cuh"
 #include "common/varlen.cuh"
 #include "gdn/bwd_walk.h"
+#include "gdn/chunks.cuh"
 #include "gdn/gdn.h"
 
 namespace cake {
@@ -103,9 +108,10 @@ struct DocPos {
 };
 
 // Issue the cp.async loads of chunk c (local index) into stage `st`. Rows past the
-// document's end: zeros (the source address is clamped to the chunk's first row).
+// document's end: zeros (the source address is clamped to the chunk's first row); so is
+// every row of do without with_do (the walk of a transfer: no output terms).
 __device__ __forceinline__ void issue_chunk(const GdnBwdWalkArgs& p, unsigned char* st, const DocPos& d, int c,
-                                            int hv, int h) {
+                                            int hv, int h, bool with_do) {
   const int tid = threadIdx.x;
   const int64_t t0 = d.start + static_cast<int64_t>(c) * kC;
   const int64_t left = d.end - t0;
@@ -123,7 +129,7 @@ __device__ __forceinline__ void issue_chunk(const GdnBwdWalkArgs& p, unsigned ch
     const int off = swz16(r, ch);
     mma::cp_async_16(sbase + kSQ + off, q + (t * p.H + h) * kD + ch * 8, real);
     mma::cp_async_16(sbase + kSK + off, k + (t * p.H + h) * kD + ch * 8, real);
-    mma::cp_async_16(sbase + kSDo + off, dout + (t * p.HV + hv) * kD + ch * 8, real);
+    mma::cp_async_16(sbase + kSDo + off, dout + (t * p.HV + hv) * kD + ch * 8, real && with_do);
   }
   const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a) + (slot * p.HV + hv) * kC * kC;
 #pragma unroll
@@ -204,7 +210,8 @@ __device__ __forceinline__ void form_chunk(const unsigned char* st, unsigned cha
 }
 
 // One chunk of one warp's chain (value rows 16 warp ..): the tapes of chunk slot `slot`
-// (len real tokens) and s updated to the gradient at the chunk's start.
+// (len real tokens; kTapes) and s updated to the gradient at the chunk's start.
+template <bool kTapes>
 __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsigned char* st, unsigned char* smem,
                                             float (&s)[64], int64_t slot, int hv, int len) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -218,7 +225,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
   //     rows v of [v][k], staged with stmatrix, 16-byte stores of whole 256-byte rows).
   uint32_t sfrag[8][4];
   mma::to_a_frags(sfrag, s);
-  {
+  if constexpr (kTapes) {
     unsigned char* stage = smem + kStS + warp * kStSWarp;
     const uint32_t sst = mma::smem_addr(stage);
 #pragma unroll
@@ -262,7 +269,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
   //     two 16-byte columns of the staging tile, then 64 rows x 32 bytes).
   uint32_t dvfrag[4][4];
   mma::to_a_frags(dvfrag, u);
-  {
+  if constexpr (kTapes) {
     const uint32_t sv = mma::smem_addr(smem + kStV);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks)
@@ -326,16 +333,18 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
 
 // The reverse walk over chunks c0 .. c1 - 1 of a document (local indices), from the last
 // to the first, with s the gradient at chunk c1 - 1's end (in the register layout above);
-// leaves s the gradient at chunk c0's start. Every thread of the CTA calls it alike.
+// leaves s the gradient at chunk c0's start; writes the tapes if kTapes; reads do if
+// with_do (else its terms are 0). Every thread of the CTA calls it alike.
+template <bool kTapes>
 __device__ __forceinline__ void walk_chunks(const GdnBwdWalkArgs& p, unsigned char* smem, const DocPos& d, int c0,
-                                            int c1, int hv, int h, float (&s)[64]) {
+                                            int c1, int hv, int h, float (&s)[64], bool with_do) {
   const float log2_scale = log2f(p.scale);
-  if (c1 > c0) issue_chunk(p, smem + ((c1 - 1) & 1) * kStageBytes, d, c1 - 1, hv, h);
+  if (c1 > c0) issue_chunk(p, smem + ((c1 - 1) & 1) * kStageBytes, d, c1 - 1, hv, h, with_do);
   mma::cp_async_commit();
   for (int c = c1 - 1; c >= c0; --c) {
     unsigned char* st = smem + (c & 1) * kStageBytes;
     if (c > c0) {  // chunk c - 1 into the other stage (freed by the barrier that ended chunk c + 1)
-      issue_chunk(p, smem + ((c - 1) & 1) * kStageBytes, d, c - 1, hv, h);
+      issue_chunk(p, smem + ((c - 1) & 1) * kStageBytes, d, c - 1, hv, h, with_do);
       mma::cp_async_commit();
       cp_async_wait_1();
     } else {
@@ -346,51 +355,188 @@ __device__ __forceinline__ void walk_chunks(const GdnBwdWalkArgs& p, unsigned ch
     const int len = d.end - t0 < kC ? static_cast<int>(d.end - t0) : kC;
     form_chunk(st, smem, len, log2_scale);
     __syncthreads();  // P and the gate vectors are in
-    chain_chunk(p, st, smem, s, d.first_slot + c, hv, len);
+    chain_chunk<kTapes>(p, st, smem, s, d.first_slot + c, hv, len);
     __syncthreads();  // the stage, P, gate vectors and staging are free again
   }
 }
 
+// The register layout's element (v, k) is dS[k][v]: s[4 nt + e] holds v = 16 warp + gid +
+// 8 (e >> 1), k = 8 nt + 2 t4 + (e & 1). A K x V matrix X as that layout, from and to
+// memory as X[k][v] (kByK) or, for a transfer, as X^T[v][k] (stored so that the chain's
+// thread k reads a row of X with coalesced loads, as fwd_chain.cu reads M^T).
+struct StateLayout {
+  int v, t4;
+  __device__ StateLayout() : v(16 * (threadIdx.x >> 5) + ((threadIdx.x & 31) >> 2)), t4(threadIdx.x & 3) {}
+  __device__ int64_t index(int nt, int e, bool by_k) const {
+    const int kd = 8 * nt + 2 * t4 + (e & 1), vv = v + 8 * (e >> 1);
+    return by_k ? static_cast<int64_t>(kd) * kD + vv : static_cast<int64_t>(vv) * kD + kd;
+  }
+};
+
+__device__ __forceinline__ void load_state(float (&s)[64], const float* src) {  // nullptr: zeros
+  const StateLayout l;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * nt + e] = src != nullptr ? src[l.index(nt, e, true)] : 0.f;
+}
+
+__device__ __forceinline__ void store_state(const float (&s)[64], float* dst, bool by_k) {
+  const StateLayout l;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dst[l.index(nt, e, by_k)] = s[4 * nt + e];
+}
+
+// Unit norms (no qk_lrn): log2 1 = 0 in both stages, never loaded.
+__device__ __forceinline__ void zero_norms(const GdnBwdWalkArgs& p, unsigned char* smem) {
+  if (p.qk_lrn != nullptr) return;
+  for (int i = threadIdx.x; i < 2 * 2 * kC; i += kThreads)
+    reinterpret_cast<float*>(smem + (i >> 7) * kStageBytes + kSL)[i & 127] = 0.f;
+}
+
+// The backward's truncation window of a segment: the fewest first chunks whose
+// chunk_decay sums to <= kGdnTruncLogDecay, or 0 if there are none (the forward's
+// truncation_start, mirrored). decay: chunk_decay at the segment's first chunk, stride
+// HV. Every warp computes it alike (same loads, same summation order).
+__device__ __forceinline__ int window_chunks(const float* decay, int64_t HV, int nch) {
+  const int lane = threadIdx.x & 31;
+  float carry = 0.f;  // the log decay of the chunks before this round's
+  for (int begin = 0; begin < nch; begin += 32) {
+    const int c = begin + lane;
+    const float x = warp_inclusive_scan(c < nch ? decay[c * HV] : 0.f) + carry;  // chunks 0 .. c
+    const unsigned hit = __ballot_sync(0xffffffffu, c < nch && x <= kGdnTruncLogDecay);
+    if (hit != 0u) return begin + __ffs(hit);  // the lowest lane: the shortest window
+    carry = __shfl_sync(0xffffffffu, x, 31);
+  }
+  return 0;
+}
+
+// Per (cut, value head): the summary of the segment after the cut (bwd_walk.h).
+__global__ void __launch_bounds__(kThreads, 1) gdn_bwd_walk_summary_kernel(const GdnBwdWalkArgs p) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int HV = static_cast<int>(p.HV);
+  const int64_t i = blockIdx.x / HV;  // the inner segment before the cut
+  const int hv = static_cast<int>(blockIdx.x % HV);
+  if (i >= p.seg_offsets[p.N] - p.N) return;
+  const int h = hv / (HV / static_cast<int>(p.H));
+  const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
+  const int64_t slot = inner_segment_slot(p.seg_offsets, p.N, i);
+  const SegmentPos sp = find_segment(p.seg_offsets, cu, p.N, p.seg_chunks, p.seg_long_max, slot + 1);
+  const DocPos d{sp.doc_start, sp.doc_end, p.chunk_offsets[sp.doc]};
+  zero_norms(p, smem);
+
+  const int64_t mat = (i * p.HV + hv) * kD * kD;
+  const int window = window_chunks(p.chunk_decay + (d.first_slot + sp.c0) * p.HV + hv, p.HV, sp.nch);
+  float s[64];
+  load_state(s, nullptr);
+  walk_chunks<false>(p, smem, d, sp.c0, sp.c0 + (window > 0 ? window : sp.nch), hv, h, s, true);
+  store_state(s, p.seg_grad + mat, true);
+  if (threadIdx.x == 0) p.seg_exact[i * p.HV + hv] = window > 0 ? 0 : 1;
+  if (window > 0) return;
+  // The transfer: the segment walked from the identity without its outputs.
+  const StateLayout l;
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * nt + e] = 8 * nt + 2 * l.t4 + (e & 1) == l.v + 8 * (e >> 1) ? 1.f : 0.f;
+  walk_chunks<false>(p, smem, d, sp.c0, sp.c0 + sp.nch, hv, h, s, false);
+  store_state(s, p.seg_transfer + mat, false);
+}
+
+constexpr int kChainCols = 16;                     // value columns per chain CTA: four float4
+constexpr int kChainTiles = kD / kChainCols;       // chain CTAs per (document, value head)
+
+// Per (document with cuts, value head, 16 value columns), from its last segment down:
+// seg_grad[cut after s] <- dS_end(s) (bwd_walk.h). Launched per inner segment; the CTAs
+// of a document's last inner segment run its chain, the others return.
+__global__ void __launch_bounds__(kD) gdn_bwd_chain_kernel(const GdnBwdWalkArgs p) {
+  constexpr int kQuads = kChainCols / 4;
+  __shared__ float4 tile[kD][kQuads];  // dS_end(s + 1) restricted to the CTA's columns
+  const int64_t i = blockIdx.x / (p.HV * kChainTiles);
+  if (i >= p.seg_offsets[p.N] - p.N) return;
+  const int64_t hv = blockIdx.x / kChainTiles % p.HV;
+  const int col = static_cast<int>(blockIdx.x % kChainTiles) * kChainCols;
+  const int64_t slot = inner_segment_slot(p.seg_offsets, p.N, i);
+  const int64_t n = slot - i;  // documents before n have seg_offsets[n] - n inner segments
+  const int32_t first = p.seg_offsets[n];
+  const int nseg = p.seg_offsets[n + 1] - first;
+  if (slot != first + nseg - 2) return;  // not the document's last inner segment
+
+  constexpr int64_t kMat = kD * kD;
+  const int k = threadIdx.x;
+  const int64_t inner0 = first - n;  // segment 0's inner index
+  {
+    const float4* e = reinterpret_cast<const float4*>(p.dht + (n * p.HV + hv) * kMat + k * kD + col);
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) tile[k][q] = p.dht != nullptr ? e[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  for (int s = nseg - 2; s >= 0; --s) {
+    const int64_t at = (inner0 + s) * p.HV + hv;
+    float4* g = reinterpret_cast<float4*>(p.seg_grad + at * kMat + k * kD + col);
+    float4 acc[kQuads];
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) acc[q] = g[q];
+    if (p.seg_exact[at]) {  // the same flag for the whole CTA
+      const float* mt = p.seg_transfer + at * kMat + k;  // row k of M^T's matrix, element j at mt[j D]
+      float mrow[kD];
+#pragma unroll
+      for (int j = 0; j < kD; ++j) mrow[j] = mt[j * kD];
+      __syncthreads();  // the tile holds dS_end(s + 1)
+#pragma unroll
+      for (int j = 0; j < kD; ++j) {
+#pragma unroll
+        for (int q = 0; q < kQuads; ++q) {
+          const float4 t = tile[j][q];
+          acc[q].x = fmaf(mrow[j], t.x, acc[q].x);
+          acc[q].y = fmaf(mrow[j], t.y, acc[q].y);
+          acc[q].z = fmaf(mrow[j], t.z, acc[q].z);
+          acc[q].w = fmaf(mrow[j], t.w, acc[q].w);
+        }
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) g[q] = acc[q];
+    __syncthreads();  // every thread has read dS_end(s + 1)
+#pragma unroll
+    for (int q = 0; q < kQuads; ++q) tile[k][q] = acc[q];
+  }
+}
+
+// Per (segment, value head): the tapes of the segment's chunks, from its end gradient
+// (dht at a document's last segment, else the chained seg_grad); segment 0 writes dh0.
 __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_walk_kernel(const GdnBwdWalkArgs p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int HV = static_cast<int>(p.HV);
-  const int64_t n = blockIdx.x / HV;
+  const int64_t slot = blockIdx.x / HV;
   const int hv = static_cast<int>(blockIdx.x % HV);
   const int h = hv / (HV / static_cast<int>(p.H));
   const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
-  DocPos d;
-  d.start = cu[n];
-  d.end = cu[n + 1];
-  d.first_slot = p.chunk_offsets[n];
-  const int nch = p.chunk_offsets[n + 1] - p.chunk_offsets[n];
-
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int gid = lane >> 2, t4 = lane & 3;
-  if (p.qk_lrn == nullptr) {  // unit norms: log2 1 = 0 in both stages, never loaded
-    for (int i = threadIdx.x; i < 2 * 2 * kC; i += kThreads)
-      reinterpret_cast<float*>(smem + (i >> 7) * kStageBytes + kSL)[i & 127] = 0.f;
+  SegmentPos sp;
+  if (p.seg_offsets != nullptr) {
+    if (slot >= p.seg_offsets[p.N]) return;
+    sp = find_segment(p.seg_offsets, cu, p.N, p.seg_chunks, p.seg_long_max, slot);
+  } else {  // uncut: the document's whole walk
+    sp.doc = slot;
+    sp.seg = 0;
+    sp.nseg = 1;
+    sp.doc_start = cu[slot];
+    sp.doc_end = cu[slot + 1];
+    sp.c0 = 0;
+    sp.nch = p.chunk_offsets[slot + 1] - p.chunk_offsets[slot];
   }
+  const DocPos d{sp.doc_start, sp.doc_end, p.chunk_offsets[sp.doc]};
+  zero_norms(p, smem);
 
-  // dS^T from dht: s[4 nt + e] = dht[k][v], v = 16 warp + gid + 8 (e >> 1), k = 8 nt + 2 t4 + (e & 1).
-  const int v = 16 * warp + gid;
-  const int64_t mat = (n * p.HV + hv) * kD * kD;
   float s[64];
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    const int kd = 8 * nt + 2 * t4;
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      s[4 * nt + e] = p.dht != nullptr ? p.dht[mat + (kd + (e & 1)) * kD + v + 8 * (e >> 1)] : 0.f;
-  }
+  const int64_t state = (sp.doc * p.HV + hv) * kD * kD;
+  if (sp.seg + 1 == sp.nseg) load_state(s, p.dht != nullptr ? p.dht + state : nullptr);
+  else load_state(s, p.seg_grad + ((slot - sp.doc) * p.HV + hv) * kD * kD);  // the cut after it: inner index slot - doc
 
-  walk_chunks(p, smem, d, 0, nch, hv, h, s);
+  walk_chunks<true>(p, smem, d, sp.c0, sp.c0 + sp.nch, hv, h, s, true);
 
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    const int kd = 8 * nt + 2 * t4;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) p.dh0[mat + (kd + (e & 1)) * kD + v + 8 * (e >> 1)] = s[4 * nt + e];
-  }
+  if (sp.seg == 0) store_state(s, p.dh0 + state, true);
 }
 
 }  // namespace
@@ -399,8 +545,15 @@ cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   cudaError_t err = cudaFuncSetAttribute(gdn_bwd_walk_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  const int64_t blocks = p.N * p.HV;
-  gdn_bwd_walk_kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p);
+  const bool cut = p.seg_offsets != nullptr && p.inner_slots > 0;
+  if (cut) {
+    err = cudaFuncSetAttribute(gdn_bwd_walk_summary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    gdn_bwd_walk_summary_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV), kThreads, kSmemBytes, stream>>>(p);
+    gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kChainTiles), kD, 0, stream>>>(p);
+  }
+  const int64_t segments = p.seg_offsets != nullptr ? p.segment_slots : p.N;
+  gdn_bwd_walk_kernel<<<static_cast<unsigned>(segments * p.HV), kThreads, kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 

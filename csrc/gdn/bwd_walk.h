@@ -4,15 +4,25 @@
 // form"; cake_ops/pytorch/gdn.py walk_tapes, the reverse loop). Torch-free: the binding
 // (gdn/binding.cpp) is the torch side.
 //
-// Per (document n, value head hv), one CTA, walking the document's chunks from its last
-// to its first, with dS (K x V fp32, the gradient of the state at the current chunk's
-// end) starting as dht[n, hv] (zeros without dht). Per chunk, with q^, k^ the chunk's
-// (optionally L2-normalised) rows, gcum its chunk-local cumsum, gl = gcum[63], P =
+// Per (document n, value head hv), the document's chunks from its last to its first,
+// with dS (K x V fp32, the gradient of the state at the current chunk's end) starting as
+// dht[n, hv] (zeros without dht). Per chunk, with q^, k^ the chunk's (optionally
+// L2-normalised) rows, gcum its chunk-local cumsum, gl = gcum[63], P =
 // scale tril(q^ k^T * e^(gcum_i - gcum_j)), a = A diag(beta) (the prep's workspace):
 //   dS tape[slot, hv, v, k] = dS[k, v]                                  (bf16, transposed)
 //   dv_new = P^T do + diag(e^(gl - gcum)) k^ dS                         -> dv_new tape (bf16)
 //   dS     = (scale e^gcum q^)^T do + e^gl dS - (a diag(e^gcum) k^)^T dv_new
 // and finally dh0[n, hv] = dS. An empty document writes dh0 = dht (or zeros) and no tape.
+//
+// Cut at the forward's grid (seg_chunks > 0; docs/kernels.md, "Backward"), every segment
+// walks from its own end gradient, one CTA per (segment, value head). That gradient is
+// dS at the start of the next segment s + 1: a summary pass (one CTA per cut and value
+// head) walks segment s + 1 back from zero, over the shortest run of its first chunks
+// whose chunk_decay sums to <= kGdnTruncLogDecay if there is one (a truncated cut),
+// else over the whole segment, giving F, and from the identity without the outputs,
+// giving the transfer M^T (an exact cut); a chain per document then runs from its last
+// segment down, dS_end(s) = M_{s+1}^T dS_end(s + 1) + F_{s+1} at an exact cut, = F_{s+1}
+// at a truncated one, in fp32 in a fixed order.
 //
 //   q, k           [T, H, 128] bf16 (raw rows)       do [T, HV, 128] bf16, HV = G * H
 //   a              [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot
@@ -22,12 +32,18 @@
 //   dht            [N, HV, 128, 128] fp32 or nullptr (zeros)
 //   chunk_offsets  [N + 1] int32, the first chunk slot of each document (plan)
 //   cu_seqlens     [N + 1] int32 / int64 (cu_int64)
+//   seg_offsets    [N + 1] int32, the first segment slot of each document (plan), or
+//                  nullptr: uncut (one segment a document)
+//   chunk_decay    [NC, HV] fp32 (prep): a chunk's log decay, +inf where a token is no contraction
+//   seg_grad, seg_transfer [NI, HV, 128, 128] fp32, seg_exact [NI, HV] int32: the cuts'
+//                  workspaces (NI = inner_slots, plan.h), indexed as the forward's seg_
+//                  pieces, which the backward reuses once its tape walk has run
 //   dS             [NC, HV, 128, 128] bf16 out: [slot, hv, v, k] = dS_end[k, v]
 //   dv_new         [NC, HV, 64, 128] bf16 out: rows past the document's end are 0
 //   dh0            [N, HV, 128, 128] fp32 out
 // Every element of every used slot (< chunk_offsets[N]) is written; later slots are not.
-// Grid N * HV CTAs (static: no host sync). Deterministic (no atomics; a document's bits
-// do not depend on its neighbours).
+// Grids from static bounds (no host sync). Deterministic (no atomics; the cut grid of the
+// deterministic plan is the document's own, so its bits do not depend on its neighbours).
 
 #include <cstdint>
 
@@ -49,7 +65,15 @@ struct GdnBwdWalkArgs {
   void* dS;      // bf16 [NC, HV, 128, 128]
   void* dv_new;  // bf16 [NC, HV, 64, 128]
   float* dh0;    // [N, HV, 128, 128]
+  const int32_t* seg_offsets;  // nullptr: uncut
+  const float* chunk_decay;
+  float* seg_grad;
+  float* seg_transfer;
+  int32_t* seg_exact;
   int64_t T, N, H, HV;
+  int seg_chunks, seg_long_max;  // the forward plan's grid (gdn.h)
+  int64_t inner_slots;           // NI: the cuts' workspace slots (0: none)
+  int64_t segment_slots;         // the tape walk's launch bound (gdn_fwd_segment_slots; N when uncut)
   float scale;  // finite, > 0
 };
 

@@ -127,6 +127,23 @@ def test_bitwise_repeats_and_every_plan_alike(ops):
     _assert_within_contract(cut, ref)
 
 
+@pytest.mark.parametrize("gate", ["normal", "window4"], ids=["truncated_cuts", "truncated_and_exact_cuts"])
+def test_cut_reverse_walk_matches_fp64(ops, gate):
+    """The reverse walk cut at a forced grid of 8 chunks (bwd_walk.h): with the normal gate
+    every cut truncates (one-chunk windows); with a constant log decay of -0.08 a token
+    a window takes 4 chunks, so a document's last, shorter segment cuts exactly. Every
+    gradient within the contract, under NaN poisoning, bitwise repeatable."""
+    case = GdnCase(f"cut_{gate}", (64 * 40 + 5, 64 * 19, 70), H=2, G=2, l2norm=True, initial_state=True)
+    inp = case.inputs("cuda")
+    if gate == "window4":
+        inp["g"] = torch.full_like(inp["g"], -0.08)
+    do, dht = _grad_inputs(inp, 12)
+    with poisoned_allocations():
+        grads = _bwd(ops, inp, True, do, dht, segment_chunks=8)
+    assert all(torch.equal(a, b) for a, b in zip(grads, _bwd(ops, inp, True, do, dht, segment_chunks=8)))
+    _assert_within_contract(grads, _reference_grads(inp, True, do, dht), "cut reverse walk")
+
+
 def test_document_bits_alone_equal_packed(ops):
     """A document's gradients are bitwise the same alone and packed with others."""
     case = GdnCase("iso", (65, 4100, 37), G=2, gate="slow", l2norm=True, initial_state=True)
