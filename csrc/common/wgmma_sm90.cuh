@@ -43,14 +43,27 @@ __device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr, uint32_t lead
 // bits 0..13) takes the step's byte offset >> 4 without a carry out, since shared memory
 // lies below 256 KB. So a tile's descriptor is formed once and each step adds a constant.
 
+// The step offsets (descriptor units): k16 step `s` of a K-major tile with `rows` rows,
+// of an MN-major tile.
+__host__ __device__ constexpr uint32_t k_major_step(int rows, int s) {
+  return static_cast<uint32_t>(((s >> 2) * rows * 128 + (s & 3) * 32) >> 4);
+}
+__host__ __device__ constexpr uint32_t mn_major_step(int s) { return static_cast<uint32_t>((s * 16 * 128) >> 4); }
+
+// Step 0 of a K-major SW128 tile at `tile`; of an MN-major one (rows = K) with `rows` rows.
+__device__ __forceinline__ uint64_t desc_k_major(uint32_t tile) { return desc_sw128(tile, 16, 1024); }
+__device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows) {
+  return desc_sw128(tile, rows * 128, 1024);
+}
+
 // Operand k16 step `s` of a K-major SW128 tile with `rows` rows at `tile`.
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t tile, int rows, int s) {
-  return desc_sw128(tile, 16, 1024) + static_cast<uint32_t>(((s >> 2) * rows * 128 + (s & 3) * 32) >> 4);
+  return desc_k_major(tile) + k_major_step(rows, s);
 }
 
 // Operand k16 step `s` of an MN-major SW128 tile (rows = K) with `rows` rows at `tile`.
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows, int s) {
-  return desc_sw128(tile, rows * 128, 1024) + static_cast<uint32_t>((s * 16 * 128) >> 4);
+  return desc_mn_major(tile, rows) + mn_major_step(s);
 }
 
 // Accumulator columns 16 j .. 16 j + 15 as the bf16 A fragment of k-step j: the

@@ -135,30 +135,49 @@ __device__ __forceinline__ uint32_t ld_bf16_bits(const unsigned char* tile, int 
   return w << 16;
 }
 
-__device__ __forceinline__ uint32_t to_tf32(float x) {
+// x rounded to TF32 (cvt.rna), as an fp32: stored so, a TF32 operand needs no conversion
+// where it is read (each element is read by several warps), with the same bits.
+__device__ __forceinline__ float round_tf32(float x) {
   uint32_t r;
   asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
-  return r;
+  return __uint_as_float(r);
 }
 
 // acc (+)= L R, this warpgroup's share: rows 0 .. 63 (warp rb's 16 in its fragments, as an
 // mma.sync m16n8 tile per 8 columns), NT * 8 columns; L and R in shared memory through the
-// descriptors da(s), db(s) of k16 step s < kSteps, kTransA / kTransB = 1 for an operand
-// stored MN-major; overwrite: acc's old values are dropped. Returns with the result.
-template <int kSteps, int kTransA, int kTransB, int NT, class DescA, class DescB>
-__device__ __forceinline__ void wg_gemm(float (&acc)[NT][4], DescA da, DescB db, bool overwrite) {
+// step-0 descriptors da, db of SW128 tiles (k16 step s adds a constant: 64-row K-major
+// tiles, or kTransA / kTransB = 1 for an operand stored MN-major), kSteps steps;
+// overwrite: acc's old values are dropped. wg_issue only issues (wgmma::commit closes a
+// group, wg_wait waits for it), so the next product runs under this one's elementwise
+// work; wg_gemm returns with the result.
+template <int kSteps, int kTransA, int kTransB, int NT>
+__device__ __forceinline__ void wg_issue(float (&acc)[NT][4], uint64_t da, uint64_t db, bool overwrite) {
   static_assert(NT == 4 || NT == 8, "m64n32 or m64n64");
   float(&d)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(acc);
   wgmma::fence();
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     const int accumulate = overwrite && s == 0 ? 0 : 1;
-    if constexpr (NT == 8) wgmma::mma_ss_m64n64k16<kTransA, kTransB>(d, da(s), db(s), accumulate);
-    else wgmma::mma_ss_m64n32k16<kTransA, kTransB>(d, da(s), db(s), accumulate);
+    const uint64_t a = da + (kTransA ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
+    const uint64_t b = db + (kTransB ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
+    if constexpr (NT == 8) wgmma::mma_ss_m64n64k16<kTransA, kTransB>(d, a, b, accumulate);
+    else wgmma::mma_ss_m64n32k16<kTransA, kTransB>(d, a, b, accumulate);
   }
+}
+
+// Waits until at most kPending of the committed products are still running, acc's not
+// among them (the products commit in order).
+template <int kPending, int NT>
+__device__ __forceinline__ void wg_wait(float (&acc)[NT][4]) {
+  wgmma::wait<kPending>();
+  wgmma::fence_operands(reinterpret_cast<float(&)[NT * 4]>(acc));
+}
+
+template <int kSteps, int kTransA, int kTransB, int NT>
+__device__ __forceinline__ void wg_gemm(float (&acc)[NT][4], uint64_t da, uint64_t db, bool overwrite) {
+  wg_issue<kSteps, kTransA, kTransB>(acc, da, db, overwrite);
   wgmma::commit();
-  wgmma::wait<0>();
-  wgmma::fence_operands(d);
+  wg_wait<0>(acc);
 }
 
 template <int NT>
@@ -331,15 +350,13 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
                  sDvn = mma::smem_addr(smem + kDvn), sHT = mma::smem_addr(smem + kHT),
                  sDS = mma::smem_addr(smem + kDS), sA = mma::smem_addr(smem + kA), sDw = mma::smem_addr(smem + kDw),
                  sDPs = mma::smem_addr(smem + kDPs);
-  // Operand descriptors of k16 step s (wgmma_sm90.cuh): a K-major 64-row tile from a row
-  // (M or N); an MN-major right operand of `rows` K-rows, this warpgroup's column block
-  // (its 64 columns); a 64 x 64 left operand read MN-major (transposed).
-  // Formed at each product (opaque).
-  const auto kmaj = [](uint32_t tile, int row, int s) { return wgmma::desc_k_major(opaque(tile) + row * 128, C, s); };
-  const auto mn_b = [ch](uint32_t tile, int rows, int s) {
-    return wgmma::desc_mn_major(opaque(tile) + ch * rows * 128, rows, s);
-  };
-  const auto mn_a = [](uint32_t tile, int s) { return wgmma::desc_mn_major(opaque(tile), C, s); };
+  // Step-0 operand descriptors (wgmma_sm90.cuh): a K-major 64-row tile from a row (M or
+  // N); an MN-major right operand of `rows` K-rows, this warpgroup's column block (its 64
+  // columns); a 64 x 64 left operand read MN-major (transposed). Formed at each product
+  // (opaque).
+  const auto kmaj = [](uint32_t tile, int row) { return wgmma::desc_k_major(opaque(tile) + row * 128); };
+  const auto mn_b = [ch](uint32_t tile, int rows) { return wgmma::desc_mn_major(opaque(tile) + ch * rows * 128, rows); };
+  const auto mn_a = [](uint32_t tile) { return wgmma::desc_mn_major(opaque(tile), C); };
   const float* gl2 = vec + kVGl2;
   const float* eg = vec + kVEg;
   const float* dte = vec + kVDte;
@@ -412,28 +429,37 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       __syncthreads();
     }
 
-    // ---- Phase 1a: the products over V (and K) of the staged tiles.
-    {  // dq_gated = do S^T: dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
-      float acc[8][4];
-      wg_gemm<8, 0, 1>(acc, [&](int s) { return kmaj(sDo, 0, s); }, [&](int s) { return mn_b(sHT, D, s); }, true);
+    // ---- Phase 1a: the products over V (and K) of the staged tiles, each issued under the
+    // previous one's elementwise work (two in flight at most: their accumulators are 32
+    // registers each beside dq and dk).
+    float g1[8][4], g2[8][4];
+    wg_issue<8, 0, 1>(g1, kmaj(sDo, 0), mn_b(sHT, D), true);  // dq_gated = do S^T
+    wgmma::commit();
+    wg_issue<8, 0, 1>(g2, kmaj(sDvn, 0), mn_b(sHT, D), true);  // dv_new S^T = -dw
+    wgmma::commit();
+    wg_wait<1>(g1);
+    {  // dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
       float rs[2] = {0.f, 0.f};
-      add_scaled_rows<true>(dq, acc, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
+      add_scaled_rows<true>(dq, g1, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
     }
-    {  // dw = -dv_new S^T, to shared memory (bf16)
-      float acc[8][4];
-      wg_gemm<8, 0, 1>(acc, [&](int s) { return kmaj(sDvn, 0, s); }, [&](int s) { return mn_b(sHT, D, s); }, true);
+    wg_issue<8, 0, 1>(g1, kmaj(sVn, 0), mn_b(sDS, D), true);  // dk_decayed = v_new dS^T
+    wgmma::commit();
+    wg_wait<1>(g2);
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
+    for (int nt = 0; nt < 8; ++nt)  // dw, to shared memory (bf16)
 #pragma unroll
-        for (int v = 0; v < 2; ++v)
-          st_pair<C>(smem + kDw, m0 + gid + 8 * v, n0 + 8 * nt + 2 * t4, -acc[nt][2 * v], -acc[nt][2 * v + 1]);
-    }
-    {  // dk_decayed = v_new dS^T: dk += dte dk_decayed; t = dte (dk_decayed . k)
-      float acc[8][4];
-      wg_gemm<8, 0, 1>(acc, [&](int s) { return kmaj(sVn, 0, s); }, [&](int s) { return mn_b(sDS, D, s); }, true);
+      for (int v = 0; v < 2; ++v)
+        st_pair<C>(smem + kDw, m0 + gid + 8 * v, n0 + 8 * nt + 2 * t4, -g2[nt][2 * v], -g2[nt][2 * v + 1]);
+    float dpm[4][4], qk[4][4];  // dP = do v_new^T; q k^T, formed again per head (cheaper than
+                                // 16 registers held throughout)
+    wg_issue<8, 0, 0>(dpm, kmaj(sDo, 0), kmaj(sVn, j0), true);
+    wg_issue<8, 0, 0>(qk, kmaj(sQ, 0), kmaj(sK, j0), true);
+    wgmma::commit();
+    wg_wait<1>(g1);
+    {  // dk += dte dk_decayed; t = dte (dk_decayed . k)
       float rs[2] = {0.f, 0.f};
-      add_scaled_rows<true>(dk, acc, smem + kK, [&](int i) { return dte[i]; }, rs, m0, n0, lane);
+      add_scaled_rows<true>(dk, g1, smem + kK, [&](int i) { return dte[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowT + C * ch, m0, lane);
     }
     {  // sum(dS o S) over the K x V entries
@@ -466,11 +492,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
       if (lane == 0) vec[kVDot + warp] = s;
     }
-    {  // dP = do v_new^T: d gcum += rowsum - colsum (dP o P); dPs = scale dP o D (bf16)
-      float acc[4][4];
-      wg_gemm<8, 0, 0>(acc, [&](int s) { return kmaj(sDo, 0, s); }, [&](int s) { return kmaj(sVn, j0, s); }, true);
-      float qk[4][4];  // q k^T, formed again per head (cheaper than 16 registers held throughout)
-      wg_gemm<8, 0, 0>(qk, [&](int s) { return kmaj(sQ, 0, s); }, [&](int s) { return kmaj(sK, j0, s); }, true);
+    wg_wait<0>(dpm);
+    wgmma::fence_operands(reinterpret_cast<float(&)[16]>(qk));
+    {  // d gcum += rowsum - colsum (dP o P); dPs = scale dP o D (bf16)
       float rs[2] = {0.f, 0.f}, cs[4][2] = {};
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
@@ -483,7 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
           for (int c = 0; c < 2; ++c) {
             const int jj = j0 + 8 * nt + 2 * t4 + c;
             const float d = i >= jj ? mma::exp2_ftz(gi - gl2[jj]) : 0.f;
-            const float dp = acc[nt][2 * v + c];
+            const float dp = dpm[nt][2 * v + c];
             const float dpp = dp * (scale * qk[nt][2 * v + c] * d);
             rs[v] += dpp;
             cs[nt][c] += dpp;
@@ -498,11 +522,18 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     wgmma::fence_proxy_async();
     __syncthreads();  // dw, dPs complete
 
-    // ---- Phase 1b.
-    {  // dA = beta_j (eg_j (dw k^T) + dv_new v^T), fp32
+    // ---- Phase 1b, pipelined as phase 1a.
+    float dxu[8][4];  // dXu = A^T dv_new (below)
+    {  // dA = beta_j (eg_j (dw k^T) + dv_new v^T), fp32 rounded to TF32 (phase 2's operand)
       float acc[4][4], dvv[4][4];
-      wg_gemm<8, 0, 0>(acc, [&](int s) { return kmaj(sDw, 0, s); }, [&](int s) { return kmaj(sK, j0, s); }, true);
-      wg_gemm<8, 0, 0>(dvv, [&](int s) { return kmaj(sDvn, 0, s); }, [&](int s) { return kmaj(sV, j0, s); }, true);
+      wg_issue<8, 0, 0>(acc, kmaj(sDw, 0), kmaj(sK, j0), true);
+      wg_issue<8, 0, 0>(dvv, kmaj(sDvn, 0), kmaj(sV, j0), true);
+      wgmma::commit();
+      wg_issue<4, 0, 1>(dq, kmaj(sDPs, 0), mn_b(sK, C), false);  // dq += dPs k
+      wg_issue<4, 1, 1>(dk, mn_a(sDPs), mn_b(sQ, C), false);     // dk += dPs^T q
+      wgmma::commit();
+      wg_wait<1>(acc);
+      wgmma::fence_operands(reinterpret_cast<float(&)[16]>(dvv));
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int jj = j0 + 8 * nt + 2 * t4;
@@ -511,27 +542,27 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         for (int v = 0; v < 2; ++v) {
           const int i = m0 + gid + 8 * v;
           *reinterpret_cast<float2*>(fA + i * kFLd + jj) =
-              make_float2(b0 * fmaf(e0, acc[nt][2 * v], dvv[nt][2 * v]), b1 * fmaf(e1, acc[nt][2 * v + 1], dvv[nt][2 * v + 1]));
+              make_float2(round_tf32(b0 * fmaf(e0, acc[nt][2 * v], dvv[nt][2 * v])),
+                          round_tf32(b1 * fmaf(e1, acc[nt][2 * v + 1], dvv[nt][2 * v + 1])));
         }
       }
     }
-    // dq += dPs k; dk += dPs^T q.
-    wg_gemm<4, 0, 1>(dq, [&](int s) { return kmaj(sDPs, 0, s); }, [&](int s) { return mn_b(sK, C, s); }, false);
-    wg_gemm<4, 1, 1>(dk, [&](int s) { return mn_a(sDPs, s); }, [&](int s) { return mn_b(sQ, C, s); },
-                     false);
     {  // dXw = A^T dw: dk += beta eg dXw; row sums dXw . k
       float acc[8][4];
-      wg_gemm<4, 1, 1>(acc, [&](int s) { return mn_a(sA, s); }, [&](int s) { return mn_b(sDw, C, s); },
-                       true);
+      wg_issue<4, 1, 1>(acc, mn_a(sA), mn_b(sDw, C), true);
+      wgmma::commit();
+      wg_issue<4, 1, 1>(dxu, mn_a(sA), mn_b(sDvn, C), true);
+      wgmma::commit();
+      wg_wait<1>(acc);
+      wgmma::fence_operands(reinterpret_cast<float(&)[32]>(dq));
+      wgmma::fence_operands(reinterpret_cast<float(&)[32]>(dk));
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<false>(dk, acc, smem + kK, [&](int i) { return bet[i] * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowXw + C * ch, m0, lane);
     }
-    // dXu = A^T dv_new: row sums dXu . v; dv = beta dXu, staged over dw once every warp has
-    // read dw (dA above), so held in registers across the barrier.
-    float dxu[8][4];
-    wg_gemm<4, 1, 1>(dxu, [&](int s) { return mn_a(sA, s); }, [&](int s) { return mn_b(sDvn, C, s); },
-                     true);
+    // Row sums dXu . v; dv = beta dXu, staged over dw once every warp has read dw (dA
+    // above), so held in registers across the barrier.
+    wg_wait<0>(dxu);
     {
       float rs[2] = {0.f, 0.f};
 #pragma unroll
@@ -567,6 +598,9 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 
     // ---- Phase 2: dL = -(A^T dA A^T).tril(-1), TF32 (m16n8k8: a0 (gid, t4), a1 (gid + 8, t4),
     // a2 (gid, t4 + 4), a3 (gid + 8, t4 + 4); b0 (k = t4, n = gid), b1 (k = t4 + 4, n = gid)).
+    float kk[4][4];  // k k^T, formed again per head, under the TF32 products
+    wg_issue<8, 0, 0>(kk, kmaj(sK, 0), kmaj(sK, j0), true);
+    wgmma::commit();
     {
       float x[4][4];  // X = A^T dA: X_ij = sum_{m >= i} A_mi dA_mj, rows m0.., columns j0..
       zero(x);
@@ -578,7 +612,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int jj = j0 + 8 * nt + gid;
-          mma::mma_tf32(x[nt], a, to_tf32(fA[(mm + t4) * kFLd + jj]), to_tf32(fA[(mm + t4 + 4) * kFLd + jj]));
+          mma::mma_tf32(x[nt], a, __float_as_uint(fA[(mm + t4) * kFLd + jj]), __float_as_uint(fA[(mm + t4 + 4) * kFLd + jj]));
         }
       }
       __syncthreads();  // dA read by every warp; dv staged
@@ -588,8 +622,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 #pragma unroll
         for (int v = 0; v < 2; ++v)
           *reinterpret_cast<float2*>(fA + (m0 + gid + 8 * v) * kFLd + j0 + 8 * nt + 2 * t4) =
-              make_float2(x[nt][2 * v], x[nt][2 * v + 1]);
-      __syncthreads();  // X complete
+              make_float2(round_tf32(x[nt][2 * v]), round_tf32(x[nt][2 * v + 1]));
+      __syncthreads();  // X complete (rounded to TF32, the next product's operand)
     }
     {  // Y = X A^T (Y_ij = sum_{m <= j} X_im A_jm), wanted for i > j only: m < min(j, i) + 1
       float y[4][4];
@@ -598,9 +632,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       const int m_end = j0 < m0 + 16 ? min(j0 + 32, m0 + 16) : 0;
 #pragma unroll 2
       for (int mm = 0; mm < m_end; mm += 8) {
-        const uint32_t a[4] = {to_tf32(fA[(m0 + gid) * kFLd + mm + t4]), to_tf32(fA[(m0 + gid + 8) * kFLd + mm + t4]),
-                               to_tf32(fA[(m0 + gid) * kFLd + mm + t4 + 4]),
-                               to_tf32(fA[(m0 + gid + 8) * kFLd + mm + t4 + 4])};
+        const uint32_t a[4] = {__float_as_uint(fA[(m0 + gid) * kFLd + mm + t4]),
+                               __float_as_uint(fA[(m0 + gid + 8) * kFLd + mm + t4]),
+                               __float_as_uint(fA[(m0 + gid) * kFLd + mm + t4 + 4]),
+                               __float_as_uint(fA[(m0 + gid + 8) * kFLd + mm + t4 + 4])};
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int jj = j0 + 8 * nt + gid;
@@ -609,8 +644,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       }
       // dL = -Y below the diagonal: dbeta += rowsum(dL o D o kk); d gcum += rowsum - colsum of
       // that times beta_i; dkk = dL beta_i D (bf16, over dPs, which phase 1b has read).
-      float kk[4][4];  // k k^T, formed again per head
-      wg_gemm<8, 0, 0>(kk, [&](int s) { return kmaj(sK, 0, s); }, [&](int s) { return kmaj(sK, j0, s); }, true);
+      wg_wait<0>(kk);
       float rb_s[2] = {0.f, 0.f}, rl_s[2] = {0.f, 0.f}, cs[4][2] = {};
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
@@ -646,10 +680,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       mma::cp_async_commit();
     }
 
-    // dk += dkk k + dkk^T k.
-    wg_gemm<4, 0, 1>(dk, [&](int s) { return kmaj(sDPs, 0, s); }, [&](int s) { return mn_b(sK, C, s); }, false);
-    wg_gemm<4, 1, 1>(dk, [&](int s) { return mn_a(sDPs, s); }, [&](int s) { return mn_b(sK, C, s); },
-                     false);
+    // dk += dkk k + dkk^T k, under warp 0's per-token sums.
+    wg_issue<4, 0, 1>(dk, kmaj(sDPs, 0), mn_b(sK, C), false);
+    wg_issue<4, 1, 1>(dk, mn_a(sDPs), mn_b(sK, C), false);
+    wgmma::commit();
 
     if (warp == 0) {  // d gcum, dbeta per token; dg = reverse cumsum of d gcum
       float dgc[2], dbt[2], tsum = 0.f;
@@ -700,6 +734,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         }
       }
     }
+    wg_wait<0>(dk);
     __syncthreads();  // the head's shared memory may be refilled
   }
 
