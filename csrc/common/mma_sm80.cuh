@@ -132,6 +132,14 @@ __device__ __forceinline__ void st_global_16(void* dst, uint4 v) {
                : "memory");
 }
 
+// The same store where `pred` holds, as one predicated instruction (no branch around it).
+__device__ __forceinline__ void st_global_16_if(bool pred, void* dst, uint4 v) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p st.global.v4.b32 [%0], {%1, %2, %3, %4};\n}\n" ::"l"(dst),
+      "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w), "r"(static_cast<int>(pred))
+      : "memory");
+}
+
 // Named barriers: `threads` threads (a multiple of 32) of the CTA meet at barrier `id`
 // (0 is __syncthreads's); bar_arrive counts without waiting.
 __device__ __forceinline__ void bar_sync(int id, int threads) {

@@ -247,8 +247,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
 }
 
 // The backward's reverse walk alone (gdn/bwd_walk.h), for tests of the stage: (dS tape
-// [NC, HV, 128, 128] bf16 ([slot, hv, v, k] = dS_end[k, v]), dv_new tape [NC, HV, 64, 128]
-// bf16, dh0 [N, HV, 128, 128] fp32), NC = a.size(0).
+// [NC, HV, 128, 128] bf16 ([slot, hv, v, k] = dS_end[k, v]), dv_new [T, HV, 128] bf16,
+// dh0 [N, HV, 128, 128] fp32), NC = a.size(0).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& dout, const at::Tensor& a, const at::Tensor& gcum,
     const std::optional<at::Tensor>& qk_lrn, const std::optional<at::Tensor>& dht, const at::Tensor& chunk_offsets,
@@ -311,7 +311,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
   const at::Tensor dhtc = dht ? dht->contiguous() : at::Tensor();
   const at::Tensor offs = chunk_offsets.contiguous(), cu = cu_seqlens.contiguous();
   at::Tensor dS = at::empty({NC, HV, D, D}, q.options().dtype(at::kBFloat16));
-  at::Tensor dv_new = at::empty({NC, HV, C, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dv_new = at::empty({T, HV, D}, q.options().dtype(at::kBFloat16));
   at::Tensor dh0 = at::empty({N, HV, D, D}, q.options().dtype(at::kFloat));
 
   GdnBwdWalkArgs p{};
@@ -386,7 +386,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
   check_tensor(h, q, "h", {NC, HV, D, D}, at::kBFloat16, "[NC, HV, 128 (V), 128 (K)] (S^T)");
   check_tensor(v_new, q, "v_new", {NC, HV, C, D}, at::kBFloat16, "[NC, HV, 64, 128]");
   check_tensor(dS, q, "dS", {NC, HV, D, D}, at::kBFloat16, "[NC, HV, 128 (V), 128 (K)] (dS^T)");
-  check_tensor(dv_new, q, "dv_new", {NC, HV, C, D}, at::kBFloat16, "[NC, HV, 64, 128]");
+  check_tensor(dv_new, q, "dv_new", {T, HV, D}, at::kBFloat16, "[T, HV, 128] like v");
   if (initial_state) check_tensor(*initial_state, q, "initial_state", {N, HV, D, D}, at::kFloat, "[N, HV, K, V]");
   if (dht) check_tensor(*dht, q, "dht", {N, HV, D, D}, at::kFloat, "[N, HV, K, V]");
   TORCH_CHECK(std::isfinite(scale) && scale > 0, kOp, ": scale must be finite and > 0, got ", scale);
@@ -442,7 +442,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
 
 // The whole backward (docs/kernels.md, "Backward"): the recompute of the forward's tapes
 // with the forward's own plan (gdn_bwd_tapes_launch), the reverse walk of the state
-// gradient (dS and dv_new tapes, dh0), then the chunk-local gradients; one workspace.
+// gradient (the dS tape, dv_new, dh0), then the chunk-local gradients; one workspace.
+// dv_new goes to dv's memory, which the chunk-local gradients overwrite with dv.
 // Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta) and fp32 dh0
 // [N, HV, K, V]. do arrives as o's gradient (bf16 [T, HV, V]), dht as the final state's
 // (fp32 [N, HV, K, V]) or none.
@@ -496,7 +497,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   r.cu_seqlens = f.cu_seqlens;
   r.cu_int64 = f.cu_int64;
   r.dS = ws + w.dS_tape;
-  r.dv_new = ws + w.dv_new_tape;
+  r.dv_new = dv.data_ptr();
   r.dh0 = dh0.data_ptr<float>();
   // The forward's cut grid; the cuts' workspaces are the forward's seg_ pieces, free once
   // the tape walk has run (bwd_walk.h).

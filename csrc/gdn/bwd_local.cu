@@ -28,10 +28,11 @@
 //   m64n64 for the 64x128 products (its 64 columns), m64n32 for the 64x64 ones, full K
 //   (the triangular operands A, dPs, dkk hold zeros above the diagonal). Its accumulator
 //   rows are warp rb's 16, so the elementwise code reads them as the mma.sync fragments
-//   they are. The tiles, staged by cp.async or ordinary stores, are in the SW128 layout
-//   (swizzle.cuh), which wgmma reads in both majors: the operand a product needs
-//   transposed (A^T, dPs^T, dkk^T on the left; S^T, k, q, dw, dv_new on the right) is read
-//   MN-major. Padding tokens are zero-filled, so they contribute 0.
+//   they are, and moves such fragments to and from the tiles with ldmatrix / stmatrix.
+//   The tiles, staged by cp.async or stmatrix, are in the SW128 layout (swizzle.cuh),
+//   which wgmma reads in both majors: the operand a product needs transposed (A^T, dPs^T,
+//   dkk^T on the left; S^T, k, q, dw, dv_new on the right) is read MN-major. Padding
+//   tokens are zero-filled, so they contribute 0.
 // - dL = -(A^T dA A^T) is two 64x64x64 TF32 products (m16n8k8) on fp32 dA and A^T dA: dA
 //   feeds dbeta and dg through A twice, and bf16 there would cost ~2^-8 of them; A is
 //   bf16 already, so exact in TF32.
@@ -116,15 +117,53 @@ __device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
   return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
 }
 
-// The bf16 pair at (row, col), col even, of an SW128 tile of ROWS rows.
-template <int ROWS>
-__device__ __forceinline__ float2 ld_pair(const unsigned char* tile, int row, int col) {
-  return unpack_bf16(*reinterpret_cast<const uint32_t*>(tile + sw128_offset(ROWS, row, col >> 3) + (col & 7) * 2));
+// x as a value the compiler cannot move out of a loop: what is formed from it is formed
+// again where it is used, rather than held in registers across the head loop (at 255
+// registers, hoisted addresses and descriptors spill).
+__device__ __forceinline__ uint32_t opaque(uint32_t x) {
+  asm volatile("" : "+r"(x));
+  return x;
 }
 
-template <int ROWS>
-__device__ __forceinline__ void st_pair(unsigned char* tile, int row, int col, float lo, float hi) {
-  *reinterpret_cast<uint32_t*>(tile + sw128_offset(ROWS, row, col >> 3) + (col & 7) * 2) = mma::pack_bf16(lo, hi);
+__device__ __forceinline__ int opaque_tid() { return static_cast<int>(opaque(threadIdx.x)); }
+
+// A warp's bf16 pairs of a 64-row SW128 tile in the accumulator-fragment layout: frag[nt][v]
+// is the pair (low, high half) at row m0 + gid + 8 v, columns c0 + 8 nt + 2 t4 (+ 1), c0 a
+// multiple of 8 NT (n0, j0). ldmatrix / stmatrix x4 (not transposed) give each lane exactly
+// these pairs of four 8x8 matrices: one x4 moves the 16 x 16 block of nt = 2 b, 2 b + 1, for
+// 4 LDS / STS of 32 bits with a swizzled address each. Lane l gives row l & 7 of matrix l >> 3,
+// that is row m0 + (l & 15) of 16-byte chunk c0 / 8 + 2 b + (l >> 4); register mi is then
+// frag[2 b + (mi >> 1)][mi & 1]. The blocks share a 128-byte line and c0 / 8 % 8 (a multiple
+// of NT) has no bit in common with 2 b < NT, so block b's swizzled chunk is block 0's xor 2 b,
+// its address block 0's xor 32 b (the tile 1024-byte aligned). Block 0's address is formed at
+// each call (opaque_tid).
+__device__ __forceinline__ uint32_t frag_addr(const unsigned char* tile, int m0, int c0) {
+  const int lane = opaque_tid() & 31;
+  return mma::smem_addr(tile + sw128_offset(C, m0 + (lane & 15), (c0 >> 3) + (lane >> 4)));
+}
+
+template <int NT>
+__device__ __forceinline__ void ld_frag(uint32_t (&frag)[NT][2], const unsigned char* tile, int m0, int c0) {
+  const uint32_t addr = frag_addr(tile, m0, c0);
+#pragma unroll
+  for (int b = 0; b < NT / 2; ++b) {
+    uint32_t r[4];
+    mma::ldmatrix_x4(r, addr ^ (32 * b));
+    frag[2 * b][0] = r[0];
+    frag[2 * b][1] = r[1];
+    frag[2 * b + 1][0] = r[2];
+    frag[2 * b + 1][1] = r[3];
+  }
+}
+
+template <int NT>
+__device__ __forceinline__ void st_frag(unsigned char* tile, int m0, int c0, const uint32_t (&frag)[NT][2]) {
+  const uint32_t addr = frag_addr(tile, m0, c0);
+#pragma unroll
+  for (int b = 0; b < NT / 2; ++b) {
+    const uint32_t r[4] = {frag[2 * b][0], frag[2 * b][1], frag[2 * b + 1][0], frag[2 * b + 1][1]};
+    mma::stmatrix_x4(addr ^ (32 * b), r);
+  }
 }
 
 // One bf16 of an SW128 tile of ROWS rows as the bits of an fp32 (exact, hence a TF32
@@ -205,14 +244,15 @@ __device__ __forceinline__ void store_row_sums(float (&rs)[2], float* dst, int m
 template <bool kScaleDot, class RowScale>
 __device__ __forceinline__ void add_scaled_rows(float (&d)[8][4], const float (&acc)[8][4], const unsigned char* x,
                                                 RowScale f, float (&rs)[2], int m0, int n0, int lane) {
-  const int gid = lane >> 2, t4 = lane & 3;
+  uint32_t xf[8][2];
+  ld_frag(xf, x, m0, n0);
 #pragma unroll
   for (int v = 0; v < 2; ++v) {
-    const int i = m0 + gid + 8 * v;
+    const int i = m0 + (lane >> 2) + 8 * v;
     const float fi = f(i);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const float2 xp = ld_pair<C>(x, i, n0 + 8 * nt + 2 * t4);
+      const float2 xp = unpack_bf16(xf[nt][v]);
       rs[v] = fmaf(acc[nt][2 * v], xp.x, fmaf(acc[nt][2 * v + 1], xp.y, rs[v]));
       d[nt][2 * v] = fmaf(fi, acc[nt][2 * v], d[nt][2 * v]);
       d[nt][2 * v + 1] = fmaf(fi, acc[nt][2 * v + 1], d[nt][2 * v + 1]);
@@ -243,16 +283,6 @@ __device__ __forceinline__ void store_col_sums(float (&cs)[NT][2], float* dst, i
     }
   }
 }
-
-// x as a value the compiler cannot move out of a loop: what is formed from it is formed
-// again where it is used, rather than held in registers across the head loop (at 255
-// registers, hoisted addresses and descriptors spill).
-__device__ __forceinline__ uint32_t opaque(uint32_t x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
-
-__device__ __forceinline__ int opaque_tid() { return static_cast<int>(opaque(threadIdx.x)); }
 
 // ROWS rows of RC 16-byte chunks from base + r * stride (elements) into an SW128 tile;
 // rows r >= valid are zero-filled (and read nothing). A thread's rows differ by multiples
@@ -296,7 +326,7 @@ __device__ __forceinline__ void load_head(const GdnBwdLocalArgs& p, unsigned cha
   load_tile<16, D>(smem + kHT, static_cast<const __nv_bfloat16*>(p.h) + tape * D * D, D, D);
   load_tile<16, D>(smem + kDS, static_cast<const __nv_bfloat16*>(p.ds) + tape * D * D, D, D);
   load_tile<16, C>(smem + kV, static_cast<const __nv_bfloat16*>(p.v) + (t0 * p.HV + hv) * D, p.HV * D, len);
-  load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + tape * C * D, D, len);
+  load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + (t0 * p.HV + hv) * D, p.HV * D, len);
 }
 
 // Its A, requested once the previous head's phase 2 has read that head's.
@@ -446,11 +476,14 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     wg_issue<8, 0, 1>(g1, kmaj(sVn, 0), mn_b(sDS, D), true);  // dk_decayed = v_new dS^T
     wgmma::commit();
     wg_wait<1>(g2);
+    {  // dw, to shared memory (bf16)
+      uint32_t dw[8][2];
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)  // dw, to shared memory (bf16)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int v = 0; v < 2; ++v)
-        st_pair<C>(smem + kDw, m0 + gid + 8 * v, n0 + 8 * nt + 2 * t4, -g2[nt][2 * v], -g2[nt][2 * v + 1]);
+        for (int v = 0; v < 2; ++v) dw[nt][v] = mma::pack_bf16(-g2[nt][2 * v], -g2[nt][2 * v + 1]);
+      st_frag(smem + kDw, m0, n0, dw);
+    }
     float dpm[4][4], qk[4][4];  // dP = do v_new^T; q k^T, formed again per head (cheaper than
                                 // 16 registers held throughout)
     wg_issue<8, 0, 0>(dpm, kmaj(sDo, 0), kmaj(sVn, j0), true);
@@ -496,6 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     wgmma::fence_operands(reinterpret_cast<float(&)[16]>(qk));
     {  // d gcum += rowsum - colsum (dP o P); dPs = scale dP o D (bf16)
       float rs[2] = {0.f, 0.f}, cs[4][2] = {};
+      uint32_t dps[4][2];
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
         const int i = m0 + gid + 8 * v;
@@ -513,9 +547,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
             cs[nt][c] += dpp;
             ps[c] = scale * dp * d;
           }
-          st_pair<C>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, ps[0], ps[1]);
+          dps[nt][v] = mma::pack_bf16(ps[0], ps[1]);
         }
       }
+      st_frag(smem + kDPs, m0, j0, dps);
       store_row_sums(rs, vec + kVRowP + C * ch, m0, lane);
       store_col_sums<4>(cs, vec + kVColP + C * rb, j0, lane);
     }
@@ -565,25 +600,28 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     wg_wait<0>(dxu);
     {
       float rs[2] = {0.f, 0.f};
+      uint32_t vf[8][2];
+      ld_frag(vf, smem + kV, m0, n0);
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
-        const int i = m0 + gid + 8 * v;
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<C>(smem + kV, i, n0 + 8 * nt + 2 * t4);
+          const float2 x = unpack_bf16(vf[nt][v]);
           rs[v] = fmaf(dxu[nt][2 * v], x.x, fmaf(dxu[nt][2 * v + 1], x.y, rs[v]));
         }
       }
       store_row_sums(rs, vec + kVRowXu + C * ch, m0, lane);
     }
     __syncthreads();  // dA complete; do, v_new, S^T, dS^T, v, dv_new, dw read
+    {
+      uint32_t dv[8][2];
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const int i = m0 + gid + 8 * v;
-      const float b = bet[i];
+      for (int v = 0; v < 2; ++v) {
+        const float b = bet[m0 + gid + 8 * v];
 #pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-        st_pair<C>(smem + kDw, i, n0 + 8 * nt + 2 * t4, b * dxu[nt][2 * v], b * dxu[nt][2 * v + 1]);
+        for (int nt = 0; nt < 8; ++nt) dv[nt][v] = mma::pack_bf16(b * dxu[nt][2 * v], b * dxu[nt][2 * v + 1]);
+      }
+      st_frag(smem + kDw, m0, n0, dv);
     }
 
     if (j + 1 < G) {
@@ -646,6 +684,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       // that times beta_i; dkk = dL beta_i D (bf16, over dPs, which phase 1b has read).
       wg_wait<0>(kk);
       float rb_s[2] = {0.f, 0.f}, rl_s[2] = {0.f, 0.f}, cs[4][2] = {};
+      uint32_t dkkf[4][2];
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
         const int i = m0 + gid + 8 * v;
@@ -666,9 +705,10 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
             cs[nt][c] += dll;
             dkk[c] = dl * bi * d;
           }
-          st_pair<C>(smem + kDPs, i, j0 + 8 * nt + 2 * t4, dkk[0], dkk[1]);
+          dkkf[nt][v] = mma::pack_bf16(dkk[0], dkk[1]);
         }
       }
+      st_frag(smem + kDPs, m0, j0, dkkf);
       store_row_sums(rb_s, vec + kVRowB + C * ch, m0, lane);
       store_row_sums(rl_s, vec + kVRowL + C * ch, m0, lane);
       store_col_sums<4>(cs, vec + kVColL + C * rb, j0, lane);
@@ -748,13 +788,14 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       const unsigned char* raw = smem + (t ? kVn : kDo);
       const float* r = vec + (t ? kVRk : kVRq);
       float rs[2] = {0.f, 0.f};
+      uint32_t xf[8][2];
+      ld_frag(xf, raw, m0, n0);
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
-        const int i = m0 + gid + 8 * v;
-        const float ri = r[i];
+        const float ri = r[m0 + gid + 8 * v];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<C>(raw, i, n0 + 8 * nt + 2 * t4);
+          const float2 x = unpack_bf16(xf[nt][v]);
           rs[v] = fmaf(d[nt][2 * v], x.x * ri, fmaf(d[nt][2 * v + 1], x.y * ri, rs[v]));
         }
       }
@@ -767,13 +808,15 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       const unsigned char* raw = smem + (t ? kVn : kDo);
       const float* r = vec + (t ? kVRk : kVRq);
       const float* dot = vec + (t ? kVRowT : kVRowA);
+      uint32_t xf[8][2];
+      ld_frag(xf, raw, m0, n0);
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
         const int i = m0 + gid + 8 * v;
         const float ri = r[i], dx = dot[i] + dot[C + i];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = ld_pair<C>(raw, i, n0 + 8 * nt + 2 * t4);
+          const float2 x = unpack_bf16(xf[nt][v]);
           d[nt][2 * v] = (d[nt][2 * v] - x.x * ri * dx) * ri;
           d[nt][2 * v + 1] = (d[nt][2 * v + 1] - x.y * ri * dx) * ri;
         }
@@ -782,13 +825,15 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
   }
   // Stage over q, k (read by no one now) and store.
 #pragma unroll
-  for (int nt = 0; nt < 8; ++nt)
+  for (int t = 0; t < 2; ++t) {
+    const float(&d)[8][4] = t ? dk : dq;
+    uint32_t df[8][2];
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const int i = m0 + gid + 8 * v, col = n0 + 8 * nt + 2 * t4;
-      st_pair<C>(smem + kQ, i, col, dq[nt][2 * v], dq[nt][2 * v + 1]);
-      st_pair<C>(smem + kK, i, col, dk[nt][2 * v], dk[nt][2 * v + 1]);
-    }
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int v = 0; v < 2; ++v) df[nt][v] = mma::pack_bf16(d[nt][2 * v], d[nt][2 * v + 1]);
+    st_frag(smem + (t ? kK : kQ), m0, n0, df);
+  }
   __syncthreads();
   store_tile(smem + kQ, static_cast<__nv_bfloat16*>(p.dq) + (t0 * p.H + h) * D, p.H * D, len);
   store_tile(smem + kK, static_cast<__nv_bfloat16*>(p.dk) + (t0 * p.H + h) * D, p.H * D, len);

@@ -16,7 +16,8 @@
 //   h           [NC, HV, 128 (v), 128 (k)] bf16   S^T at the chunk's start
 //   v_new       [NC, HV, 64, 128] bf16
 //   ds          [NC, HV, 128 (v), 128 (k)] bf16   dS^T at the chunk's end
-//   dv_new      [NC, HV, 64, 128] bf16
+//   dv_new      [T, HV, 128] bf16        may be dv itself: each CTA reads its tokens' rows of a
+//               value head before it writes their dv, and no other CTA reads them
 //   initial_state, dht [N, HV, 128 (k), 128 (v)] fp32 or null: a document's first state S and
 //               its last state gradient dS_end, which the h and dS tapes hold in bf16; dg's
 //               term e^gl <dS_end, S> at those chunks reads them in fp32 (the tapes' rounding

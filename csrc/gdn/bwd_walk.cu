@@ -25,7 +25,8 @@
 // - Exponents are differences of chunk-local cumsums clamped to <= 0 (masked elements are
 //   selected away, never multiplied by 0); absolute ones (e^gcum) are <= 1.
 // - The tapes go out through shared staging as 16-byte stores: the dS tape (16 rows of
-//   256 bytes a warp), the dv_new tape (64 token rows x the warp's 32 bytes).
+//   256 bytes a warp), dv_new (the chunk's real token rows x the warp's 32 bytes, in dv's
+//   [T, HV, 128] layout: the chunk-local kernel reads it and writes dv over it).
 // - The walk over a chunk range with a given start gradient is one function
 //   (walk_chunks); the cut walk's three kernels (bwd_walk.h) are made of it: the
 //   summaries walk without tapes (and, for M^T, without do: its tile zero-filled), the
@@ -210,10 +211,10 @@ __device__ __forceinline__ void form_chunk(const unsigned char* st, unsigned cha
 }
 
 // One chunk of one warp's chain (value rows 16 warp ..): the tapes of chunk slot `slot`
-// (len real tokens; kTapes) and s updated to the gradient at the chunk's start.
+// (tokens t0 .. t0 + len - 1; kTapes) and s updated to the gradient at the chunk's start.
 template <bool kTapes>
 __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsigned char* st, unsigned char* smem,
-                                            float (&s)[64], int64_t slot, int hv, int len) {
+                                            float (&s)[64], int64_t slot, int hv, int64_t t0, int len) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t4 = lane & 3, mi = lane >> 3, r8 = lane & 7;
   const uint32_t sq = mma::smem_addr(st + kSQ), sk = mma::smem_addr(st + kSK);
@@ -265,8 +266,8 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
   }
 
   // (4) dv_new^T in bf16 (tokens past the end are 0: zero rows of k and P, tail = 0):
-  //     the A fragments of X, and the dv_new tape ([t][v]: stmatrix.trans into this warp's
-  //     two 16-byte columns of the staging tile, then 64 rows x 32 bytes).
+  //     the A fragments of X, and dv_new ([t][v]: stmatrix.trans into this warp's two
+  //     16-byte columns of the staging tile, then the real rows x 32 bytes).
   uint32_t dvfrag[4][4];
   mma::to_a_frags(dvfrag, u);
   if constexpr (kTapes) {
@@ -275,7 +276,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
     for (int ks = 0; ks < 4; ++ks)
       mma::stmatrix_x4_trans(sv + swz16(16 * ks + 8 * (mi >> 1) + r8, 2 * warp + (mi & 1)), dvfrag[ks]);
     __syncwarp();
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.dv_new) + (slot * p.HV + hv) * kC * kD;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.dv_new) + (t0 * p.HV + hv) * kD;
     uint4 v[4];
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
@@ -283,10 +284,9 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
       v[it] = *reinterpret_cast<const uint4*>(smem + kStV + swz16(row, 2 * warp + (lane & 1)));
     }
 #pragma unroll
-    for (int it = 0; it < 4; ++it) {
+    for (int it = 0; it < 4; ++it) {  // the document's tokens only: the rows after them are the next one's
       const int row = 16 * it + (lane >> 1);
-      const uint4 val = row < len ? v[it] : make_uint4(0u, 0u, 0u, 0u);
-      mma::st_global_16(out + row * kD + 16 * warp + 8 * (lane & 1), val);
+      mma::st_global_16_if(row < len, out + row * p.HV * kD + 16 * warp + 8 * (lane & 1), v[it]);
     }
   }
 
@@ -355,7 +355,7 @@ __device__ __forceinline__ void walk_chunks(const GdnBwdWalkArgs& p, unsigned ch
     const int len = d.end - t0 < kC ? static_cast<int>(d.end - t0) : kC;
     form_chunk(st, smem, len, log2_scale);
     __syncthreads();  // P and the gate vectors are in
-    chain_chunk<kTapes>(p, st, smem, s, d.first_slot + c, hv, len);
+    chain_chunk<kTapes>(p, st, smem, s, d.first_slot + c, hv, t0, len);
     __syncthreads();  // the stage, P, gate vectors and staging are free again
   }
 }

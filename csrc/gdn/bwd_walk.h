@@ -10,7 +10,7 @@
 // L2-normalised) rows, gcum its chunk-local cumsum, gl = gcum[63], P =
 // scale tril(q^ k^T * e^(gcum_i - gcum_j)), a = A diag(beta) (the prep's workspace):
 //   dS tape[slot, hv, v, k] = dS[k, v]                                  (bf16, transposed)
-//   dv_new = P^T do + diag(e^(gl - gcum)) k^ dS                         -> dv_new tape (bf16)
+//   dv_new = P^T do + diag(e^(gl - gcum)) k^ dS                         -> dv_new (bf16)
 //   dS     = (scale e^gcum q^)^T do + e^gl dS - (a diag(e^gcum) k^)^T dv_new
 // and finally dh0[n, hv] = dS. An empty document writes dh0 = dht (or zeros) and no tape.
 //
@@ -39,9 +39,11 @@
 //                  workspaces (NI = inner_slots, plan.h), indexed as the forward's seg_
 //                  pieces, which the backward reuses once its tape walk has run
 //   dS             [NC, HV, 128, 128] bf16 out: [slot, hv, v, k] = dS_end[k, v]
-//   dv_new         [NC, HV, 64, 128] bf16 out: rows past the document's end are 0
+//   dv_new         [T, HV, 128] bf16 out, dv's layout (the fused backward passes dv itself,
+//                  which the chunk-local gradients overwrite: gdn/bwd_local.h)
 //   dh0            [N, HV, 128, 128] fp32 out
-// Every element of every used slot (< chunk_offsets[N]) is written; later slots are not.
+// Every element of every used slot (< chunk_offsets[N]) of dS and every element of dv_new
+// and dh0 is written; later slots are not.
 // Grids from static bounds (no host sync). Deterministic (no atomics; the cut grid of the
 // deterministic plan is the document's own, so its bits do not depend on its neighbours).
 
@@ -63,7 +65,7 @@ struct GdnBwdWalkArgs {
   const void* cu_seqlens;
   bool cu_int64;
   void* dS;      // bf16 [NC, HV, 128, 128]
-  void* dv_new;  // bf16 [NC, HV, 64, 128]
+  void* dv_new;  // bf16 [T, HV, 128]
   float* dh0;    // [N, HV, 128, 128]
   const int32_t* seg_offsets;  // nullptr: uncut
   const float* chunk_decay;

@@ -69,8 +69,8 @@
 //   a_unit         [NC, HV, 64, 64] bf16         A itself (the chunk-local gradients' dbeta)
 //   h_tape         [NC, HV, 128, 128] bf16       [slot, hv, v, k] = S_c[k, v], the chunk's start state
 //   v_new_tape     [NC, HV, 64, 128] bf16        v_new (rows past the document's end: 0)
-//   dS_tape        [NC, HV, 128, 128] bf16       the reverse walk's dS (gdn/bwd_walk.h)
-//   dv_new_tape    [NC, HV, 64, 128] bf16        the reverse walk's dv_new
+//   dS_tape        [NC, HV, 128, 128] bf16       the reverse walk's dS (gdn/bwd_walk.h; its
+//                                                dv_new goes to dv's memory)
 // with NC = ceil(T / 64) + N chunk slots and NI inner segment slots, the segments that
 // are not their document's last, document n's from index seg_offsets[n] - n on
 // (gdn_fwd_inner_segment_slots; the seg_ workspaces only when seg_chunks > 0). Launch

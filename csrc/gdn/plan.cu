@@ -215,7 +215,6 @@ GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_
   w.h_tape = c.take(tiles * kStateTile);
   w.v_new_tape = c.take(tiles * kChunkTile);
   w.dS_tape = c.take(tiles * kStateTile);
-  w.dv_new_tape = c.take(tiles * kChunkTile);
   w.bytes = c.bytes;
   return p;
 }

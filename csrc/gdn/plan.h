@@ -65,12 +65,13 @@ int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic);
 // piece that the call does not use has 0 bytes (its pointer is set to nullptr). The
 // backward's pieces (gdn_bwd_make_plan; 0 bytes in a forward plan) follow the forward's,
 // so one buffer serves the whole backward: the recompute's (gdn_bwd_tapes_launch)
-// a_unit, h_tape, v_new_tape, and the reverse walk's tapes (gdn/bwd_walk.h) dS_tape
-// [NC, HV, 128, 128] and dv_new_tape [NC, HV, 64, 128], bf16.
+// a_unit, h_tape, v_new_tape, and the reverse walk's dS_tape [NC, HV, 128, 128] bf16
+// (gdn/bwd_walk.h; its dv_new goes to dv's memory, which the chunk-local gradients
+// overwrite).
 struct GdnWorkspaceLayout {
   int64_t chunk_offsets, seg_offsets, seg_state, seg_transfer, seg_exact, chain_docs, walk_queue;
   int64_t a, gcum, chunk_decay, qk_lrn;
-  int64_t a_unit, h_tape, v_new_tape, dS_tape, dv_new_tape;  // the backward's
+  int64_t a_unit, h_tape, v_new_tape, dS_tape;  // the backward's
   int64_t bytes;  // the buffer's size
 };
 

@@ -17,6 +17,7 @@ import torch
 from cake_ops import build
 from cake_ops.pytorch import gdn as pytorch_gdn
 from cake_ops.testing import accuracy, poisoned_allocations
+from cake_ops.varlen import from_chunks
 
 from cases import GdnCase, params
 from conftest import record_accuracy
@@ -79,7 +80,7 @@ def _setup(case: GdnCase, *, dht: bool, seed: int = 0, floor_tokens: bool = Fals
         h=_bf(tapes.h.transpose(-1, -2)),
         v_new=_bf(tapes.v_new),
         dS=_bf(tapes.dS_end.transpose(-1, -2)),
-        dv_new=_bf(tapes.dv_new),
+        dv_new=_bf(from_chunks(tapes.dv_new, prep.layout)),  # [T, HV, 128], dv's layout
         initial_state=inp["initial_state"],
         dht=dht_t,
         chunk_offsets=chunk_offsets,
@@ -172,9 +173,9 @@ def test_packed_vs_alone(ops):
         T1 = t1 - t0
         NC1 = math.ceil(T1 / C) + 1
         alone = {}
-        for name in ("q", "k", "v", "do", "g", "beta"):
+        for name in ("q", "k", "v", "do", "g", "beta", "dv_new"):
             alone[name] = args[name][t0:t1].contiguous()
-        for name in ("gcum", "A", "h", "v_new", "dS", "dv_new"):
+        for name in ("gcum", "A", "h", "v_new", "dS"):
             x = args[name]
             pad = x[s0:s1]
             # The alone call's grid has NC1 >= s1 - s0 slots; the extra ones are unused.
