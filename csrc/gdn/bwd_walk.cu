@@ -413,28 +413,35 @@ __device__ __forceinline__ int window_chunks(const float* decay, int64_t HV, int
   return 0;
 }
 
-// Per (cut, value head): the summary of the segment after the cut (bwd_walk.h).
+// Per (cut, value head, part): the summary of the segment after the cut (bwd_walk.h).
+// Part 0 walks F (over the truncation window, or the whole segment where the cut is
+// exact) and marks the cut; part 1 walks the transfer M^T where the cut is exact and
+// returns where it is not. Both take the same window test, so an exact cut's two walks of
+// the segment run side by side, on two SMs.
 __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_walk_summary_kernel(const GdnBwdWalkArgs p) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int HV = static_cast<int>(p.HV);
-  const int64_t i = blockIdx.x / HV;  // the inner segment before the cut
-  const int hv = static_cast<int>(blockIdx.x % HV);
+  const bool transfer = blockIdx.x & 1;
+  const int64_t i = (blockIdx.x >> 1) / HV;  // the inner segment before the cut
+  const int hv = static_cast<int>((blockIdx.x >> 1) % HV);
   if (i >= p.seg_offsets[p.N] - p.N) return;
   const int h = hv / (HV / static_cast<int>(p.H));
   const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
   const int64_t slot = inner_segment_slot(p.seg_offsets, p.N, i);
   const SegmentPos sp = find_segment(p.seg_offsets, cu, p.N, p.seg_chunks, p.seg_long_max, slot + 1);
   const DocPos d{sp.doc_start, sp.doc_end, p.chunk_offsets[sp.doc]};
-  zero_norms(p, smem);
-
   const int64_t mat = (i * p.HV + hv) * kD * kD;
   const int window = window_chunks(p.chunk_decay + (d.first_slot + sp.c0) * p.HV + hv, p.HV, sp.nch);
+  if (transfer && window > 0) return;  // a truncated cut needs no transfer
+  zero_norms(p, smem);
   float s[64];
-  load_state(s, nullptr);
-  walk_chunks<false>(p, smem, d, sp.c0, sp.c0 + (window > 0 ? window : sp.nch), hv, h, s, true);
-  store_state(s, p.seg_grad + mat, true);
-  if (threadIdx.x == 0) p.seg_exact[i * p.HV + hv] = window > 0 ? 0 : 1;
-  if (window > 0) return;
+  if (!transfer) {
+    load_state(s, nullptr);
+    walk_chunks<false>(p, smem, d, sp.c0, sp.c0 + (window > 0 ? window : sp.nch), hv, h, s, true);
+    store_state(s, p.seg_grad + mat, true);
+    if (threadIdx.x == 0) p.seg_exact[i * p.HV + hv] = window > 0 ? 0 : 1;
+    return;
+  }
   // The transfer: the segment walked from the identity without its outputs.
   const StateLayout l;
 #pragma unroll
@@ -549,7 +556,8 @@ cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
   if (cut) {
     err = cudaFuncSetAttribute(gdn_bwd_walk_summary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
     if (err != cudaSuccess) return err;
-    gdn_bwd_walk_summary_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV), kThreads, kSmemBytes, stream>>>(p);
+    gdn_bwd_walk_summary_kernel<<<static_cast<unsigned>(2 * p.inner_slots * p.HV), kThreads, kSmemBytes, stream>>>(
+        p);
     gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kChainTiles), kD, 0, stream>>>(p);
   }
   const int64_t segments = p.seg_offsets != nullptr ? p.segment_slots : p.N;

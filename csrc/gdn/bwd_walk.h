@@ -16,11 +16,12 @@
 //
 // Cut at the forward's grid (seg_chunks > 0; docs/kernels.md, "Backward"), every segment
 // walks from its own end gradient, one CTA per (segment, value head). That gradient is
-// dS at the start of the next segment s + 1: a summary pass (one CTA per cut and value
+// dS at the start of the next segment s + 1: a summary pass (two CTAs per cut and value
 // head) walks segment s + 1 back from zero, over the shortest run of its first chunks
 // whose chunk_decay sums to <= kGdnTruncLogDecay if there is one (a truncated cut),
-// else over the whole segment, giving F, and from the identity without the outputs,
-// giving the transfer M^T (an exact cut); a chain per document then runs from its last
+// else over the whole segment, giving F (the first CTA), and at an exact cut from the
+// identity without the outputs, giving the transfer M^T (the second, at the same time);
+// a chain per document then runs from its last
 // segment down, dS_end(s) = M_{s+1}^T dS_end(s + 1) + F_{s+1} at an exact cut, = F_{s+1}
 // at a truncated one, in fp32 in a fixed order.
 //
