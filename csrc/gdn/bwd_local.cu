@@ -186,9 +186,8 @@ __device__ __forceinline__ float round_tf32(float x) {
 // mma.sync m16n8 tile per 8 columns), NT * 8 columns; L and R in shared memory through the
 // step-0 descriptors da, db of SW128 tiles (k16 step s adds a constant: 64-row K-major
 // tiles, or kTransA / kTransB = 1 for an operand stored MN-major), kSteps steps;
-// overwrite: acc's old values are dropped. wg_issue only issues (wgmma::commit closes a
-// group, wg_wait waits for it), so the next product runs under this one's elementwise
-// work; wg_gemm returns with the result.
+// overwrite: acc's old values are dropped. It only issues (wgmma::commit closes a group,
+// wg_wait waits for it), so the next product runs under this one's elementwise work.
 template <int kSteps, int kTransA, int kTransB, int NT>
 __device__ __forceinline__ void wg_issue(float (&acc)[NT][4], uint64_t da, uint64_t db, bool overwrite) {
   static_assert(NT == 4 || NT == 8, "m64n32 or m64n64");
@@ -204,19 +203,18 @@ __device__ __forceinline__ void wg_issue(float (&acc)[NT][4], uint64_t da, uint6
   }
 }
 
+// acc's product is complete (a wait has covered its group): its registers may be read.
+template <int NT>
+__device__ __forceinline__ void wg_done(float (&acc)[NT][4]) {
+  wgmma::fence_operands(reinterpret_cast<float(&)[NT * 4]>(acc));
+}
+
 // Waits until at most kPending of the committed products are still running, acc's not
 // among them (the products commit in order).
 template <int kPending, int NT>
 __device__ __forceinline__ void wg_wait(float (&acc)[NT][4]) {
   wgmma::wait<kPending>();
-  wgmma::fence_operands(reinterpret_cast<float(&)[NT * 4]>(acc));
-}
-
-template <int kSteps, int kTransA, int kTransB, int NT>
-__device__ __forceinline__ void wg_gemm(float (&acc)[NT][4], uint64_t da, uint64_t db, bool overwrite) {
-  wg_issue<kSteps, kTransA, kTransB>(acc, da, db, overwrite);
-  wgmma::commit();
-  wg_wait<0>(acc);
+  wg_done(acc);
 }
 
 template <int NT>
@@ -526,7 +524,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       if (lane == 0) vec[kVDot + warp] = s;
     }
     wg_wait<0>(dpm);
-    wgmma::fence_operands(reinterpret_cast<float(&)[16]>(qk));
+    wg_done(qk);
     {  // d gcum += rowsum - colsum (dP o P); dPs = scale dP o D (bf16)
       float rs[2] = {0.f, 0.f}, cs[4][2] = {};
       uint32_t dps[4][2];
@@ -568,7 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       wg_issue<4, 1, 1>(dk, mn_a(sDPs), mn_b(sQ, C), false);     // dk += dPs^T q
       wgmma::commit();
       wg_wait<1>(acc);
-      wgmma::fence_operands(reinterpret_cast<float(&)[16]>(dvv));
+      wg_done(dvv);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int jj = j0 + 8 * nt + 2 * t4;
@@ -589,8 +587,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       wg_issue<4, 1, 1>(dxu, mn_a(sA), mn_b(sDvn, C), true);
       wgmma::commit();
       wg_wait<1>(acc);
-      wgmma::fence_operands(reinterpret_cast<float(&)[32]>(dq));
-      wgmma::fence_operands(reinterpret_cast<float(&)[32]>(dk));
+      wg_done(dq);
+      wg_done(dk);
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<false>(dk, acc, smem + kK, [&](int i) { return bet[i] * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowXw + C * ch, m0, lane);
