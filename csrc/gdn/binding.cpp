@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -140,7 +141,8 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
 // (from the shapes and SM count), 1 or 2 forces it. Forcing is for tests and tuning.
 GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor& q,
                             const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
-                            bool deterministic, int64_t segment_chunks, int64_t value_splits, bool backward) {
+                            bool deterministic, int64_t segment_chunks, int64_t value_splits, bool backward,
+                            int64_t head_slices = -1) {
   // Part of the eligibility rule (cake_ops/dispatch.py): the walk takes log2(scale).
   TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ", scale);
   if (initial_state) {
@@ -158,9 +160,14 @@ GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor
   int sm_count = 0;
   const cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.device().index());
   TORCH_CHECK(err == cudaSuccess, op, ": cannot read the SM count: ", cudaGetErrorString(err));
-  auto make_plan = backward ? gdn_bwd_make_plan : gdn_fwd_make_plan;
-  return make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count, static_cast<int>(segment_chunks),
-                   static_cast<int>(value_splits));
+  TORCH_CHECK(head_slices == -1 || (head_slices >= 1 && s.H % head_slices == 0), op,
+              ": head_slices must be -1 (the plan's choice) or a divisor of q's heads H = ", s.H, ", got ", head_slices);
+  if (!backward)
+    return gdn_fwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
+                             static_cast<int>(segment_chunks), static_cast<int>(value_splits));
+  return gdn_bwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
+                           static_cast<int>(segment_chunks), static_cast<int>(value_splits),
+                           static_cast<int>(head_slices));
 }
 
 // The whole forward: (o, final_state); segment_chunks and value_splits as check_and_plan_walk says.
@@ -203,7 +210,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const GdnShapes s = check_gdn_inputs("gdn_bwd_tapes", q, k, &v, g, beta, cu_seqlens);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const GdnPlan plan = check_and_plan_walk("gdn_bwd_tapes", s, q, initial_state, scale, use_qk_l2norm,
-                                           deterministic, segment_chunks, value_splits, /*backward=*/true);
+                                           deterministic, segment_chunks, value_splits, /*backward=*/true,
+                                           /*head_slices=*/1);
   GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
   const cudaError_t err = gdn_bwd_tapes_launch(c.args, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, "gdn_bwd_tapes: kernel launch failed: ", cudaGetErrorString(err));
@@ -330,8 +338,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
   p.dh0 = dh0.data_ptr<float>();
   p.T = T;
   p.N = N;
-  p.H = H;
-  p.HV = HV;
+  p.H = p.H_stride = H;
+  p.HV = p.HV_stride = HV;
   p.scale = static_cast<float>(scale);  // seg_offsets = nullptr: uncut, one walk per document
   const cudaError_t err = gdn_bwd_walk_launch(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
@@ -430,8 +438,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
   a.dbeta = dbeta.data_ptr();
   a.T = T;
   a.N = N;
-  a.H = H;
-  a.HV = HV;
+  a.H = a.H_stride = H;
+  a.HV = a.HV_stride = HV;
   a.scale = static_cast<float>(scale);
   a.use_qk_l2norm = use_qk_l2norm;
   const cudaError_t err = gdn_bwd_local_launch(a, c10::cuda::getCurrentCUDAStream());
@@ -440,18 +448,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
 }
 
 
-// The whole backward (docs/kernels.md, "Backward"): the recompute of the forward's tapes
-// with the forward's own plan (gdn_bwd_tapes_launch), the reverse walk of the state
-// gradient (the dS tape, dv_new, dh0), then the chunk-local gradients; one workspace.
-// dv_new goes to dv's memory, which the chunk-local gradients overwrite with dv.
+// A pointer `heads` heads on in a tensor whose heads are `head_elems` elements of
+// `elem_bytes` each (a head slice's first head).
+template <class T>
+T* heads_on(T* p, int64_t heads, int64_t head_elems, int64_t elem_bytes) {
+  using Byte = std::conditional_t<std::is_const_v<T>, const unsigned char, unsigned char>;
+  return p == nullptr ? nullptr
+                      : reinterpret_cast<T*>(reinterpret_cast<Byte*>(p) + heads * head_elems * elem_bytes);
+}
+
+// The whole backward (docs/kernels.md, "Backward"): per head slice (the plan's; docs/kernels.md,
+// "Head slices"), the recompute of the forward's tapes with the forward's own plan
+// (gdn_bwd_tapes_launch), the reverse walk of the state gradient (the dS tape, dv_new,
+// dh0), then the chunk-local gradients; one workspace of one slice's size, which every
+// slice reuses in stream order. dv_new goes to dv's memory, which the chunk-local
+// gradients overwrite with dv.
 // Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta) and fp32 dh0
 // [N, HV, K, V]. do arrives as o's gradient (bf16 [T, HV, V]), dht as the final state's
-// (fp32 [N, HV, K, V]) or none.
+// (fp32 [N, HV, K, V]) or none. head_slices: -1 lets the plan choose, else a divisor of H
+// (the bits do not depend on it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd(
     const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, bool deterministic,
-    int64_t segment_chunks, int64_t value_splits) {
+    int64_t segment_chunks, int64_t value_splits, int64_t head_slices) {
   constexpr const char* op = "gdn_bwd";
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
@@ -467,89 +487,104 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/true);
-  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
+                                           segment_chunks, value_splits, /*backward=*/true, head_slices);
+  const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  cudaError_t err = gdn_bwd_tapes_launch(c.args, stream);
-  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tapes): ", cudaGetErrorString(err));
-
   const at::Tensor dout_c = dense16(dout);
   const at::Tensor dht_c = dht ? dht->contiguous() : at::Tensor();
   unsigned char* ws = static_cast<unsigned char*>(c.workspace.data_ptr());
-  const GdnWorkspaceLayout& w = plan.ws;
-  const GdnFwdArgs& f = c.args;
   at::Tensor dq = at::empty({s.T, s.H, D}, q.options().dtype(at::kBFloat16));
   at::Tensor dk = at::empty({s.T, s.H, D}, q.options().dtype(at::kBFloat16));
   at::Tensor dv = at::empty({s.T, s.HV, D}, q.options().dtype(at::kBFloat16));
   at::Tensor dg = at::empty({s.T, s.HV}, q.options().dtype(at::kFloat));
   at::Tensor dbeta = at::empty({s.T, s.HV}, q.options().dtype(beta.scalar_type()));
   at::Tensor dh0 = at::empty({s.N, s.HV, D, D}, q.options().dtype(at::kFloat));
+  const int64_t beta_bytes = c.beta.element_size();
 
-  GdnBwdWalkArgs r{};
-  r.q = f.q;
-  r.k = f.k;
-  r.dout = dout_c.data_ptr();
-  r.a = f.a;
-  r.gcum = f.gcum;
-  r.qk_lrn = f.qk_lrn;
-  r.dht = dht_c.defined() ? dht_c.data_ptr<float>() : nullptr;
-  r.chunk_offsets = f.chunk_offsets;
-  r.cu_seqlens = f.cu_seqlens;
-  r.cu_int64 = f.cu_int64;
-  r.dS = ws + w.dS_tape;
-  r.dv_new = dv.data_ptr();
-  r.dh0 = dh0.data_ptr<float>();
-  // The forward's cut grid; the cuts' workspaces are the forward's seg_ pieces, free once
-  // the tape walk has run (bwd_walk.h).
-  r.seg_offsets = f.seg_offsets;
-  r.chunk_decay = f.chunk_decay;
-  r.seg_grad = f.seg_state;
-  r.seg_transfer = f.seg_transfer;
-  r.seg_exact = f.seg_exact;
-  r.seg_chunks = f.seg_chunks;
-  r.seg_long_max = f.seg_long_max;
-  r.inner_slots = plan.inner_slots;
-  r.segment_slots = gdn_fwd_segment_slots(s.T, s.N, gdn_fwd_finest_cut_chunks(plan.seg_chunks, plan.seg_long_max));
-  r.T = s.T;
-  r.N = s.N;
-  r.H = s.H;
-  r.HV = s.HV;
-  r.scale = static_cast<float>(scale);
-  err = gdn_bwd_walk_launch(r, stream);
-  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
+  for (int slice = 0; slice < plan.head_slices; ++slice) {
+    // The slice's first q/k head and value head; its tensors' pointers start there, with
+    // the rows' strides of all heads (GdnFwdCoreArgs::H_stride).
+    const int64_t h0 = slice * plan.H, hv0 = slice * plan.HV;
+    GdnFwdArgs f = c.args;
+    f.q = heads_on(f.q, h0, D, 2);
+    f.k = heads_on(f.k, h0, D, 2);
+    f.v = heads_on(f.v, hv0, D, 2);
+    f.g = heads_on(f.g, hv0, 1, 4);
+    f.beta = heads_on(f.beta, hv0, 1, beta_bytes);
+    f.initial_state = heads_on(f.initial_state, hv0, D * D, 4);
+    cudaError_t err = gdn_bwd_tapes_launch(f, stream);
+    TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tapes): ", cudaGetErrorString(err));
 
-  GdnBwdLocalArgs l{};
-  l.q = f.q;
-  l.k = f.k;
-  l.v = f.v;
-  l.dout = r.dout;
-  l.g = f.g;
-  l.beta = f.beta;
-  l.beta_dtype = f.beta_dtype;
-  l.gcum = f.gcum;
-  l.a = f.a_unit;
-  l.h = f.h_tape;
-  l.v_new = f.v_new_tape;
-  l.ds = r.dS;
-  l.dv_new = r.dv_new;
-  l.initial_state = f.initial_state;
-  l.dht = r.dht;
-  l.chunk_offsets = f.chunk_offsets;
-  l.cu_seqlens = f.cu_seqlens;
-  l.cu_int64 = f.cu_int64;
-  l.dq = dq.data_ptr();
-  l.dk = dk.data_ptr();
-  l.dv = dv.data_ptr();
-  l.dg = dg.data_ptr<float>();
-  l.dbeta = dbeta.data_ptr();
-  l.T = s.T;
-  l.N = s.N;
-  l.H = s.H;
-  l.HV = s.HV;
-  l.scale = static_cast<float>(scale);
-  l.use_qk_l2norm = use_qk_l2norm;
-  err = gdn_bwd_local_launch(l, stream);
-  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (local gradients): ", cudaGetErrorString(err));
+    GdnBwdWalkArgs r{};
+    r.q = f.q;
+    r.k = f.k;
+    r.dout = heads_on<const void>(dout_c.data_ptr(), hv0, D, 2);
+    r.a = f.a;
+    r.gcum = f.gcum;
+    r.qk_lrn = f.qk_lrn;
+    r.dht = dht_c.defined() ? heads_on<const float>(dht_c.data_ptr<float>(), hv0, D * D, 4) : nullptr;
+    r.chunk_offsets = f.chunk_offsets;
+    r.cu_seqlens = f.cu_seqlens;
+    r.cu_int64 = f.cu_int64;
+    r.dS = ws + plan.ws.dS_tape;
+    r.dv_new = heads_on(dv.data_ptr(), hv0, D, 2);
+    r.dh0 = heads_on(dh0.data_ptr<float>(), hv0, D * D, 4);
+    // The forward's cut grid; the cuts' workspaces are the forward's seg_ pieces, free once
+    // the tape walk has run (bwd_walk.h).
+    r.seg_offsets = f.seg_offsets;
+    r.chunk_decay = f.chunk_decay;
+    r.seg_grad = f.seg_state;
+    r.seg_transfer = f.seg_transfer;
+    r.seg_exact = f.seg_exact;
+    r.seg_chunks = f.seg_chunks;
+    r.seg_long_max = f.seg_long_max;
+    r.inner_slots = plan.inner_slots;
+    r.segment_slots = gdn_fwd_segment_slots(s.T, s.N, gdn_fwd_finest_cut_chunks(plan.seg_chunks, plan.seg_long_max));
+    r.T = s.T;
+    r.N = s.N;
+    r.H = f.H;
+    r.HV = f.HV;
+    r.H_stride = f.H_stride;
+    r.HV_stride = f.HV_stride;
+    r.scale = static_cast<float>(scale);
+    err = gdn_bwd_walk_launch(r, stream);
+    TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
+
+    GdnBwdLocalArgs l{};
+    l.q = f.q;
+    l.k = f.k;
+    l.v = f.v;
+    l.dout = r.dout;
+    l.g = f.g;
+    l.beta = f.beta;
+    l.beta_dtype = f.beta_dtype;
+    l.gcum = f.gcum;
+    l.a = f.a_unit;
+    l.h = f.h_tape;
+    l.v_new = f.v_new_tape;
+    l.ds = r.dS;
+    l.dv_new = r.dv_new;
+    l.initial_state = f.initial_state;
+    l.dht = r.dht;
+    l.chunk_offsets = f.chunk_offsets;
+    l.cu_seqlens = f.cu_seqlens;
+    l.cu_int64 = f.cu_int64;
+    l.dq = heads_on(dq.data_ptr(), h0, D, 2);
+    l.dk = heads_on(dk.data_ptr(), h0, D, 2);
+    l.dv = r.dv_new;
+    l.dg = heads_on(dg.data_ptr<float>(), hv0, 1, 4);
+    l.dbeta = heads_on(dbeta.data_ptr(), hv0, 1, beta_bytes);
+    l.T = s.T;
+    l.N = s.N;
+    l.H = f.H;
+    l.HV = f.HV;
+    l.H_stride = f.H_stride;
+    l.HV_stride = f.HV_stride;
+    l.scale = static_cast<float>(scale);
+    l.use_qk_l2norm = use_qk_l2norm;
+    err = gdn_bwd_local_launch(l, stream);
+    TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (local gradients): ", cudaGetErrorString(err));
+  }
   return {dq, dk, dv, dg, dbeta, dh0};
 }
 
@@ -580,7 +615,8 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dh0)");
+      "int value_splits=-1, int head_slices=-1) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, "
+      "Tensor dh0)");
 }
 
 TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {

@@ -319,12 +319,12 @@ __device__ __forceinline__ void store_tile(const unsigned char* tile, __nv_bfloa
 __device__ __forceinline__ void load_head(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv,
                                           int64_t t0, int len) {
   const int64_t tape = slot * p.HV + hv;
-  load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.dout) + (t0 * p.HV + hv) * D, p.HV * D, len);
+  load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.dout) + (t0 * p.HV_stride + hv) * D, p.HV_stride * D, len);
   load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.v_new) + tape * C * D, D, len);
   load_tile<16, D>(smem + kHT, static_cast<const __nv_bfloat16*>(p.h) + tape * D * D, D, D);
   load_tile<16, D>(smem + kDS, static_cast<const __nv_bfloat16*>(p.ds) + tape * D * D, D, D);
-  load_tile<16, C>(smem + kV, static_cast<const __nv_bfloat16*>(p.v) + (t0 * p.HV + hv) * D, p.HV * D, len);
-  load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + (t0 * p.HV + hv) * D, p.HV * D, len);
+  load_tile<16, C>(smem + kV, static_cast<const __nv_bfloat16*>(p.v) + (t0 * p.HV_stride + hv) * D, p.HV_stride * D, len);
+  load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + (t0 * p.HV_stride + hv) * D, p.HV_stride * D, len);
 }
 
 // Its A, requested once the previous head's phase 2 has read that head's.
@@ -343,7 +343,7 @@ __device__ __forceinline__ TokenGates load_gates(const GdnBwdLocalArgs& p, int64
                                                  int len, int i) {
   const float* gc = p.gcum + (slot * p.HV + hv) * C;
   const bool real = i < len;
-  const int64_t idx = (t0 + i) * p.HV + hv;
+  const int64_t idx = (t0 + i) * p.HV_stride + hv;
   return {gc[i], gc[C - 1], real ? load_beta(p.beta, p.beta_dtype, idx) : 0.f, real && p.g[idx] < kGdnGateFloor};
 }
 
@@ -359,8 +359,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
   const ChunkPos pos = find_chunk(p.chunk_offsets, cu, p.N, slot);
   const int64_t t0 = pos.t0;
   const int len = pos.len;
-  const int64_t HV = p.HV;
-  const int G = static_cast<int>(HV / p.H);
+  const int64_t HV_row = p.HV_stride;  // of the [T, HV, *] tensors and the per-document states
+  const int G = static_cast<int>(p.HV / p.H);
   const float scale = p.scale;
   // dg's term e^gl <dS_end, S> where a factor is an fp32 input (see the sum below).
   const bool exact_h0 = p.initial_state != nullptr && slot == p.chunk_offsets[pos.doc];
@@ -393,8 +393,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 
   // Prologue: q, k and the first value head's tiles and gates in flight.
   const int64_t hv_first = static_cast<int64_t>(h) * G;
-  load_tile<16, C>(smem + kQ, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H + h) * D, p.H * D, len);
-  load_tile<16, C>(smem + kK, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H + h) * D, p.H * D, len);
+  load_tile<16, C>(smem + kQ, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
+  load_tile<16, C>(smem + kK, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
   load_head(p, smem, slot, hv_first, t0, len);
   load_a(p, smem, slot, hv_first);
   mma::cp_async_commit();
@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       if (exact_h0 || exact_dht) {
         // A document's first state is the initial state and its last state gradient dht:
         // both fp32 inputs, read as such (index k V + v), the other factor from its tape.
-        const int64_t state = (pos.doc * HV + hv) * D * D;
+        const int64_t state = (pos.doc * HV_row + hv) * D * D;
         for (int e = tid; e < D * D; e += kThreads) {
           const int kk = e >> 7, vv = e & (D - 1);
           const float sv = exact_h0 ? p.initial_state[state + e] : __uint_as_float(ld_bf16_bits<D>(smem + kHT, vv, kk));
@@ -627,8 +627,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       mma::cp_async_commit();
       if (tid < C) gates = load_gates(p, slot, hv + 1, t0, len, tid);
     } else if (p.use_qk_l2norm) {  // the raw rows for the norm's backward
-      load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H + h) * D, p.H * D, len);
-      load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H + h) * D, p.H * D, len);
+      load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
+      load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
       mma::cp_async_commit();
     }
 
@@ -652,7 +652,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         }
       }
       __syncthreads();  // dA read by every warp; dv staged
-      store_tile(smem + kDw, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV + hv) * D, HV * D, len);
+      store_tile(smem + kDw, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV_row + hv) * D, HV_row * D, len);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
@@ -765,7 +765,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       for (int s = 0; s < 2; ++s) {
         const int i = lane + 32 * s;
         if (i < len) {
-          const int64_t idx = (t0 + i) * HV + hv;
+          const int64_t idx = (t0 + i) * HV_row + hv;
           p.dg[idx] = vec[kVFloor + i] != 0.f ? 0.f : dgc[s];
           if (p.beta_dtype == DType::kBFloat16) static_cast<__nv_bfloat16*>(p.dbeta)[idx] = __float2bfloat16(dbt[s]);
           else static_cast<float*>(p.dbeta)[idx] = dbt[s];
@@ -833,8 +833,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     st_frag(smem + (t ? kK : kQ), m0, n0, df);
   }
   __syncthreads();
-  store_tile(smem + kQ, static_cast<__nv_bfloat16*>(p.dq) + (t0 * p.H + h) * D, p.H * D, len);
-  store_tile(smem + kK, static_cast<__nv_bfloat16*>(p.dk) + (t0 * p.H + h) * D, p.H * D, len);
+  store_tile(smem + kQ, static_cast<__nv_bfloat16*>(p.dq) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
+  store_tile(smem + kK, static_cast<__nv_bfloat16*>(p.dk) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
 }
 
 }  // namespace

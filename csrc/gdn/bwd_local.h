@@ -62,6 +62,7 @@ struct GdnBwdLocalArgs {
   float* dg;
   void* dbeta;
   int64_t T, N, H, HV;
+  int64_t H_stride, HV_stride;  // heads per token row of the tensors (GdnFwdCoreArgs)
   float scale;
   bool use_qk_l2norm;
 };

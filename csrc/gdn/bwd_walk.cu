@@ -128,9 +128,9 @@ __device__ __forceinline__ void issue_chunk(const GdnBwdWalkArgs& p, unsigned ch
     const bool real = r < len;
     const int64_t t = t0 + (real ? r : 0);
     const int off = swz16(r, ch);
-    mma::cp_async_16(sbase + kSQ + off, q + (t * p.H + h) * kD + ch * 8, real);
-    mma::cp_async_16(sbase + kSK + off, k + (t * p.H + h) * kD + ch * 8, real);
-    mma::cp_async_16(sbase + kSDo + off, dout + (t * p.HV + hv) * kD + ch * 8, real && with_do);
+    mma::cp_async_16(sbase + kSQ + off, q + (t * p.H_stride + h) * kD + ch * 8, real);
+    mma::cp_async_16(sbase + kSK + off, k + (t * p.H_stride + h) * kD + ch * 8, real);
+    mma::cp_async_16(sbase + kSDo + off, dout + (t * p.HV_stride + hv) * kD + ch * 8, real && with_do);
   }
   const __nv_bfloat16* a = static_cast<const __nv_bfloat16*>(p.a) + (slot * p.HV + hv) * kC * kC;
 #pragma unroll
@@ -276,7 +276,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
     for (int ks = 0; ks < 4; ++ks)
       mma::stmatrix_x4_trans(sv + swz16(16 * ks + 8 * (mi >> 1) + r8, 2 * warp + (mi & 1)), dvfrag[ks]);
     __syncwarp();
-    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.dv_new) + (t0 * p.HV + hv) * kD;
+    __nv_bfloat16* out = static_cast<__nv_bfloat16*>(p.dv_new) + (t0 * p.HV_stride + hv) * kD;
     uint4 v[4];
 #pragma unroll
     for (int it = 0; it < 4; ++it) {
@@ -286,7 +286,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
 #pragma unroll
     for (int it = 0; it < 4; ++it) {  // the document's tokens only: the rows after them are the next one's
       const int row = 16 * it + (lane >> 1);
-      mma::st_global_16_if(row < len, out + row * p.HV * kD + 16 * warp + 8 * (lane & 1), v[it]);
+      mma::st_global_16_if(row < len, out + row * p.HV_stride * kD + 16 * warp + 8 * (lane & 1), v[it]);
     }
   }
 
@@ -475,7 +475,7 @@ __global__ void __launch_bounds__(kD) gdn_bwd_chain_kernel(const GdnBwdWalkArgs 
   const int k = threadIdx.x;
   const int64_t inner0 = first - n;  // segment 0's inner index
   {
-    const float4* e = reinterpret_cast<const float4*>(p.dht + (n * p.HV + hv) * kMat + k * kD + col);
+    const float4* e = reinterpret_cast<const float4*>(p.dht + (n * p.HV_stride + hv) * kMat + k * kD + col);
 #pragma unroll
     for (int q = 0; q < kQuads; ++q) tile[k][q] = p.dht != nullptr ? e[q] : make_float4(0.f, 0.f, 0.f, 0.f);
   }
@@ -537,7 +537,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_walk_kernel(const GdnBwdW
   zero_norms(p, smem);
 
   float s[64];
-  const int64_t state = (sp.doc * p.HV + hv) * kD * kD;
+  const int64_t state = (sp.doc * p.HV_stride + hv) * kD * kD;  // dht, dh0
   if (sp.seg + 1 == sp.nseg) load_state(s, p.dht != nullptr ? p.dht + state : nullptr);
   else load_state(s, p.seg_grad + ((slot - sp.doc) * p.HV + hv) * kD * kD);  // the cut after it: inner index slot - doc
 

@@ -74,6 +74,7 @@ struct GdnBwdWalkArgs {
   float* seg_transfer;
   int32_t* seg_exact;
   int64_t T, N, H, HV;
+  int64_t H_stride, HV_stride;  // heads per token row of the tensors (GdnFwdCoreArgs)
   int seg_chunks, seg_long_max;  // the forward plan's grid (gdn.h)
   int64_t inner_slots;           // NI: the cuts' workspace slots (0: none)
   int64_t segment_slots;         // the tape walk's launch bound (gdn_fwd_segment_slots; N when uncut)

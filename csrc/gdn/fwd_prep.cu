@@ -402,7 +402,7 @@ __device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_
   return static_cast<const float*>(beta)[i];
 }
 
-// The chunk's 64 rows of x [T, H, 128] (bf16) for head h into the swizzled tile, zeros
+// The chunk's 64 rows of x [T, H, 128] (bf16, H heads a token row) for head h into the swizzled tile, zeros
 // past the document end. Threads: 16 per row, 8 rows per pass.
 __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, unsigned char* tile,
                                           const ChunkPos& pos, int64_t H, int h) {
@@ -498,7 +498,7 @@ __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& 
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     const int i = 32 * s + lane;
-    const int64_t idx = (pos.t0 + i) * p.HV + hv;
+    const int64_t idx = (pos.t0 + i) * p.HV_stride + hv;
     const float gi = i < pos.len ? p.g[idx] : 0.f;
     x[s] = gi < kGdnGateFloor ? kGdnGateFloor : gi;  // the floor (gdn.h); not fmaxf, which would drop NaN
     b[s] = i < pos.len ? load_beta(p.beta, p.beta_dtype, idx) : 0.f;
@@ -560,10 +560,10 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys, kWit
     s_unit_offset = static_cast<const unsigned char*>(p.a_unit) - static_cast<const unsigned char*>(p.a);
 
   // 1. k in flight, q's rows (for their norms) and the first value heads' gates meanwhile.
-  copy_rows(static_cast<const __nv_bfloat16*>(p.k), smem + kKTile, pos, p.H, h);
+  copy_rows(static_cast<const __nv_bfloat16*>(p.k), smem + kKTile, pos, p.H_stride, h);
   mma::cp_async_commit();
   RowChunks raw;
-  if constexpr (kUnitKeys) rows_from_global(static_cast<const __nv_bfloat16*>(p.q), raw, pos, p.H, h);
+  if constexpr (kUnitKeys) rows_from_global(static_cast<const __nv_bfloat16*>(p.q), raw, pos, p.H_stride, h);
   load_gates(p, pos, slot, static_cast<int64_t>(h) * G, G < kGateHeads ? G : kGateHeads, s_gl, s_gc_last,
              s_beta);
 

@@ -146,12 +146,14 @@ cudaError_t encode_walk_maps(const GdnFwdArgs& p, WalkMaps& m) {
     return cudaSuccess;
   }
   const uint64_t T = static_cast<uint64_t>(p.T), H = static_cast<uint64_t>(p.H), HV = static_cast<uint64_t>(p.HV);
+  // A head slice's tensors (GdnFwdCoreArgs::H_stride) keep the full token rows' stride.
+  const uint64_t H_row = static_cast<uint64_t>(p.H_stride), HV_row = static_cast<uint64_t>(p.HV_stride);
   const uint64_t row = kGdnHeadDim * 2;  // bytes of one head's row
   constexpr uint32_t kBoxCols = 64;      // one 128-byte SW128 row of bf16
   constexpr uint64_t kARow = kGdnChunk * 2;  // bytes of one row of an A diag(beta) tile
-  cudaError_t err = tma::encode_bf16_3d(&m.q, p.q, kGdnHeadDim, H, T, row, H * row, kBoxCols, 1, kGdnChunk);
-  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.k, p.k, kGdnHeadDim, H, T, row, H * row, kBoxCols, 1, kGdnChunk);
-  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v, p.v, kGdnHeadDim, HV, T, row, HV * row, kBoxCols, 1, kGdnChunk);
+  cudaError_t err = tma::encode_bf16_3d(&m.q, p.q, kGdnHeadDim, H, T, row, H_row * row, kBoxCols, 1, kGdnChunk);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.k, p.k, kGdnHeadDim, H, T, row, H_row * row, kBoxCols, 1, kGdnChunk);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v, p.v, kGdnHeadDim, HV, T, row, HV_row * row, kBoxCols, 1, kGdnChunk);
   const uint64_t tiles = static_cast<uint64_t>(gdn_fwd_chunk_slots(p.T, p.N)) * HV;
   if (err == cudaSuccess)
     err = tma::encode_bf16_3d(&m.a, p.a, kGdnChunk, kGdnChunk, tiles, kARow, kGdnChunk * kARow, kGdnChunk, kGdnChunk, 1);

@@ -87,12 +87,12 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
   w.S0 = nullptr;
   if (sp.seg == 0 && !w.transfer && skip == 0) {
-    if (p.initial_state != nullptr) w.S0 = p.initial_state + (sp.doc * p.HV + hv) * kMat;
+    if (p.initial_state != nullptr) w.S0 = p.initial_state + (sp.doc * p.HV_stride + hv) * kMat;
   } else if (kSegmentWalk) {
     w.S0 = p.seg_state + ((inner - 1) * p.HV + hv) * kMat;  // the chained start state: the previous segment's
   }
   if constexpr (kMode == WalkMode::kOutput)
-    w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV + hv) * kMat : nullptr;
+    w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV_stride + hv) * kMat : nullptr;
   else if constexpr (kMode == WalkMode::kSummary)
     w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (inner * p.HV + hv) * kMat;
   else

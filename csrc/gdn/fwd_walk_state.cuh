@@ -172,7 +172,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
 
     // (5) o of this chunk (fwd_walk_output.cuh); then the stage goes back to the aux.
     if constexpr (kOutput)
-      store_o_chunk(o, st, sv, og, p.HV, hv, v0, vh, seg_start + static_cast<int64_t>(c) * kGdnChunk, doc_end);
+      store_o_chunk(o, st, sv, og, p.HV_stride, hv, v0, vh, seg_start + static_cast<int64_t>(c) * kGdnChunk, doc_end);
     if (c + kStages < nch) {
       wgmma::fence_proxy_async();  // this stage's reads and writes precede the TMA loads into it
       mma::bar_arrive(kBarEmpty + stage, kWalkThreads<kStateWgs>);

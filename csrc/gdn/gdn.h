@@ -114,6 +114,11 @@ struct GdnFwdCoreArgs {
   int32_t* chain_docs;
   int32_t* walk_queue;
   int64_t T, N, H, HV;
+  // Heads per token row of the tensors ([T, H, *] q, k; [T, HV, *] v, g, beta, o; and the
+  // per-document states' HV): H and HV, unless the call is a head slice of wider tensors
+  // (the backward's, GdnPlan::head_slices), whose pointers then start at the slice's first
+  // head. The workspaces hold the call's H and HV heads.
+  int64_t H_stride, HV_stride;
   int seg_chunks;    // > 0: the cut grid in chunks; 0: one segment per document
   int seg_long_max;  // documents of 4 seg_chunks .. seg_long_max chunks are cut every seg_chunks / 2 (0: none)
   int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)

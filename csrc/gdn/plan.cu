@@ -164,18 +164,36 @@ int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic) {
   return long_max >= 4 * kGdnDetSegChunks ? static_cast<int>(long_max) : 0;
 }
 
-GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks, int value_splits) {
+int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int seg_chunks, int seg_long_max,
+                               int sm_count) {
+  if (N <= 0 || T <= 0 || sm_count <= 0) return 1;
+  // The documents taken as equally long: segments of `len` chunks, `steps` chunk steps a SM.
+  const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
+  const int grid = seg_chunks > 0 ? doc_cut_chunks(static_cast<int>(chunks), seg_chunks, seg_long_max) : 0;
+  const double len = grid > 0 ? std::min<double>(chunks, grid) : chunks;
+  const double steps = static_cast<double>(N) * chunks * static_cast<double>(HV) / sm_count;
+  auto walk_time = [&](int s) { return s * std::ceil(steps / s / len) * len; };
+  int best = 1;
+  for (int s = 2; s <= kGdnMaxHeadSlices; s *= 2)
+    if (H % s == 0 && walk_time(s) <= walk_time(1)) best = s;
+  return best;
+}
+
+namespace {
+
+// The plan for a given cut grid: the value splits (for H, HV heads) and the workspace layout.
+GdnPlan plan_for_grid(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, int sm_count, int seg_chunks,
+                      int seg_long_max, int value_splits) {
   GdnPlan p{};
   p.T = T;
   p.N = N;
   p.H = H;
   p.HV = HV;
+  p.head_slices = 1;
   p.use_qk_l2norm = use_qk_l2norm;
   p.sm_count = sm_count;
-  p.seg_chunks = segment_chunks >= 0 ? segment_chunks : gdn_fwd_choose_segment_chunks(T, N, HV, deterministic, sm_count);
-  // An explicit grid (tests, sweeps) cuts every document alike.
-  p.seg_long_max = segment_chunks >= 0 ? 0 : gdn_fwd_choose_segment_long_max(HV, deterministic);
+  p.seg_chunks = seg_chunks;
+  p.seg_long_max = seg_long_max;
   if (value_splits > 0) p.walk_splits = p.summary_splits = value_splits;
   else choose_value_splits(p);
 
@@ -203,11 +221,30 @@ GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_
   return p;
 }
 
-GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
+}  // namespace
+
+GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
                           int sm_count, int segment_chunks, int value_splits) {
-  GdnPlan p = gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, segment_chunks, value_splits);
+  const int seg_chunks =
+      segment_chunks >= 0 ? segment_chunks : gdn_fwd_choose_segment_chunks(T, N, HV, deterministic, sm_count);
+  // An explicit grid (tests, sweeps) cuts every document alike.
+  const int seg_long_max = segment_chunks >= 0 ? 0 : gdn_fwd_choose_segment_long_max(HV, deterministic);
+  return plan_for_grid(T, N, H, HV, use_qk_l2norm, sm_count, seg_chunks, seg_long_max, value_splits);
+}
+
+GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
+                          int sm_count, int segment_chunks, int value_splits, int head_slices) {
+  // The forward's grid, chosen for all HV heads (so a slice walks as the forward did).
+  const GdnPlan whole = gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, segment_chunks, 1);
+  const int slices = head_slices > 0 ? head_slices
+                                     : gdn_bwd_choose_head_slices(T, N, H, HV, whole.seg_chunks, whole.seg_long_max,
+                                                                  sm_count);
+  assert(slices >= 1 && H % slices == 0);
+  GdnPlan p = plan_for_grid(T, N, H / slices, HV / slices, use_qk_l2norm, sm_count, whole.seg_chunks,
+                            whole.seg_long_max, value_splits);
+  p.head_slices = slices;
   p.backward = true;
-  const int64_t tiles = p.chunk_slots * HV;  // (chunk slot, value head) tiles
+  const int64_t tiles = p.chunk_slots * p.HV;  // (chunk slot, value head) tiles of one slice
   constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2, kChunkTile = kGdnChunk * kGdnHeadDim * 2;
   Carve c{p.ws.bytes};
   GdnWorkspaceLayout& w = p.ws;
@@ -241,6 +278,8 @@ void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a) {
   a.N = plan.N;
   a.H = plan.H;
   a.HV = plan.HV;
+  a.H_stride = plan.H * plan.head_slices;
+  a.HV_stride = plan.HV * plan.head_slices;
   a.use_qk_l2norm = plan.use_qk_l2norm;
   a.seg_chunks = plan.seg_chunks;
   a.seg_long_max = plan.seg_long_max;

@@ -77,7 +77,8 @@ struct GdnWorkspaceLayout {
 
 // Everything the host decides for one call.
 struct GdnPlan {
-  int64_t T, N, H, HV;
+  int64_t T, N, H, HV;  // H and HV: the heads each launch covers (one head slice's)
+  int head_slices;      // the call's heads are head_slices * H and head_slices * HV (backward; else 1)
   bool use_qk_l2norm;
   int seg_chunks;      // the cut grid (0: uncut)
   int seg_long_max;    // long documents of 4 seg_chunks .. seg_long_max chunks: cut at seg_chunks / 2
@@ -100,10 +101,24 @@ struct GdnPlan {
 GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
                           int sm_count, int segment_chunks = -1, int value_splits = -1);
 
-// The backward's plan: the forward's (the same cut grid and splits for the same arguments,
-// so its recompute walks as the forward did) with the backward's workspace pieces added.
+// The backward runs its stages on one head slice at a time: H / head_slices q/k heads
+// and their value heads, in one workspace of that slice's size (docs/kernels.md,
+// "Head slices"). Each head's work is the same instructions in any slice, so the bits do
+// not depend on the slicing. The rule: up to kGdnMaxHeadSlices slices dividing H, where
+// the walks (segments of a document's grid, each one SM's serial chain) fill as many
+// whole rounds of segment walks on sm_count SMs in all as unsliced, the documents taken
+// as equally long; else 1. Fewer heads per launch cost the walks a round wherever their
+// last round was partly filled (s32k_h16: 1.15x the backward's time at 2 slices), and
+// every launch its tail, so 2 at most (s64k_h16: 1.02x at 2, 1.05x at 4).
+constexpr int kGdnMaxHeadSlices = 2;
+int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int seg_chunks, int seg_long_max,
+                               int sm_count);
+// The backward's plan: the forward's cut grid for the same arguments (chosen for all HV
+// heads, so its recompute walks as the forward did) with the backward's workspace pieces
+// added, laid out for one head slice. head_slices: -1 lets the plan choose
+// (gdn_bwd_choose_head_slices), else a divisor of H (tests, tuning).
 GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks = -1, int value_splits = -1);
+                          int sm_count, int segment_chunks = -1, int value_splits = -1, int head_slices = -1);
 
 // Sets args' plan fields (seg_chunks, seg_long_max, splits, sm_count, shapes) and points
 // its workspace pointers into `workspace` (plan.ws.bytes bytes, 256-byte aligned); the

@@ -58,9 +58,10 @@ def _grad_inputs(inp, seed):
     return do, dht
 
 
-def _bwd(ops, inp, l2, do, dht, deterministic=True, segment_chunks=-1, value_splits=-1):
+def _bwd(ops, inp, l2, do, dht, deterministic=True, segment_chunks=-1, value_splits=-1, head_slices=-1):
     return ops.gdn_bwd(do, dht, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
-                       inp["initial_state"], 128**-0.5, l2, deterministic, segment_chunks, value_splits)
+                       inp["initial_state"], 128**-0.5, l2, deterministic, segment_chunks, value_splits,
+                       head_slices)
 
 
 def _reference_grads(inp, l2, do, dht):
@@ -125,6 +126,26 @@ def test_bitwise_repeats_and_every_plan_alike(ops):
     cut = _bwd(ops, inp, case.l2norm, do, dht, segment_chunks=2)
     ref = _reference_grads(inp, case.l2norm, do, dht)
     _assert_within_contract(cut, ref)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
+def test_head_slices_give_the_same_bits(ops, deterministic):
+    """The backward run one head slice at a time (1, 2 or 4 slices of 4 q/k heads, each
+    with its 2 value heads; NaN-poisoned) gives bitwise the gradients of the unsliced
+    run, and the plan's own choice too; cut documents and GVA, within the contract."""
+    case = GdnCase("slices", (64 * 70 + 5, 1, 300, 0, 64), H=4, G=2, gate="slow", beta="extreme", l2norm=True,
+                   initial_state=True, beta_dtype=torch.bfloat16)
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, 13)
+    with poisoned_allocations():
+        whole = _bwd(ops, inp, True, do, dht, deterministic, head_slices=1)
+        for slices in (2, 4, -1):
+            got = _bwd(ops, inp, True, do, dht, deterministic, head_slices=slices)
+            for name, a, b in zip(GRADS, whole, got):
+                assert torch.equal(a, b), f"{slices} head slices: {name} has other bits"
+    _assert_within_contract(whole, _reference_grads(inp, True, do, dht), "head slices")
+    with pytest.raises(RuntimeError, match="head_slices"):
+        _bwd(ops, inp, True, do, dht, deterministic, head_slices=3)
 
 
 @pytest.mark.parametrize("gate", ["normal", "window4"], ids=["truncated_cuts", "truncated_and_exact_cuts"])
