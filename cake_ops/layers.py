@@ -30,6 +30,7 @@ class GatedDeltaNet(nn.Module):
         conv_size: int = 4,
         norm_eps: float = 1e-6,
         deterministic: bool = True,
+        save_mode: str = "light",
     ):
         super().__init__()
         H, HV = num_heads, num_v_heads or num_heads
@@ -38,6 +39,7 @@ class GatedDeltaNet(nn.Module):
         self.H, self.HV, self.K, self.V = H, HV, head_k_dim, head_v_dim
         self.norm_eps = norm_eps
         self.deterministic = deterministic
+        self.save_mode = save_mode  # cake_ops.gdn's
         self.q_proj = nn.Linear(hidden_size, H * head_k_dim, bias=False)
         self.k_proj = nn.Linear(hidden_size, H * head_k_dim, bias=False)
         self.v_proj = nn.Linear(hidden_size, HV * head_v_dim, bias=False)
@@ -72,7 +74,7 @@ class GatedDeltaNet(nn.Module):
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
         o, _ = gdn(
             q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype), cu_seqlens,
-            use_qk_l2norm=True, deterministic=self.deterministic,
+            use_qk_l2norm=True, deterministic=self.deterministic, save_mode=self.save_mode,
         )
         z = self.z_proj(x).unflatten(-1, (HV, V))
         of = o.float()

@@ -1,8 +1,10 @@
-"""Fake kernels of ``cake::gdn_fwd`` and ``cake::gdn_bwd``."""
+"""Fake kernels of ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` and ``cake::gdn_bwd``."""
 
 import torch
 
+from cake_ops import dispatch
 from cake_ops.checks import check_gdn, check_gdn_grads, check_scale
+from cake_ops.ops.gdn import gdn_saved_bytes
 
 
 @torch.library.register_fake("cake::gdn_fwd")
@@ -14,8 +16,18 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, d
     return o, final_state
 
 
+@torch.library.register_fake("cake::gdn_fwd_full")
+def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    o, final_state = gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+    T, H, HV, N = q.shape[0], q.shape[1], v.shape[1], cu_seqlens.shape[0] - 1
+    # The tapes exist where the CUDA kernels take the call (the same static rule as the op's).
+    on_cuda = q.device.type == "cuda" and dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is None
+    tapes = q.new_empty(gdn_saved_bytes(T, N, H, HV, use_qk_l2norm) if on_cuda else 0, dtype=torch.uint8)
+    return o, final_state, tapes
+
+
 @torch.library.register_fake("cake::gdn_bwd")
-def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, tapes=None):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)

@@ -1,4 +1,5 @@
-"""The GDN ops ``cake::gdn_fwd`` / ``cake::gdn_bwd`` and the user entry point ``gdn``.
+"""The GDN ops ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` / ``cake::gdn_bwd`` and the user
+entry point ``gdn``.
 
 The ops work in the packed layout (q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV];
 ``cu_seqlens`` [N+1] on the device). ``cake::gdn_fwd`` carries the autograd formula, so
@@ -6,6 +7,13 @@ a compiled model can call ``torch.ops.cake.gdn_fwd`` directly. Which implementat
 runs a call is decided by ``cake_ops.dispatch`` (the CUDA kernels of ``csrc/gdn/`` on
 Hopper for K = V = 128 and bf16 q/k/v, forward and backward, else the chunked
 PyTorch algorithm of ``cake_ops.pytorch.gdn``). Fake kernels: ``meta/gdn.py``. The math: docs/math.md.
+
+Save modes (``gdn(save_mode=...)``; docs/contract.md, "Save modes"): ``"light"`` (the
+default) saves the inputs only and the backward recomputes the forward's tapes;
+``"full"`` runs ``cake::gdn_fwd_full``, whose CUDA forward also writes the tapes (the
+per-chunk block of csrc/gdn/plan.h, ``gdn_saved_bytes`` bytes) for the backward to read.
+The gradients are bitwise the same in both. The PyTorch path keeps no tapes (its
+``tapes`` output is empty) and recomputes in either mode.
 """
 
 from __future__ import annotations
@@ -58,6 +66,55 @@ def gdn_fwd(
     return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
 
 
+def gdn_saved_bytes(T: int, N: int, H: int, HV: int, use_qk_l2norm: bool) -> int:
+    """Bytes of the full save mode's tapes on the CUDA path (csrc/gdn/plan.cu
+    ``gdn_chunk_layout`` with the tapes): per chunk slot (ceil(T / 64) + N of them) and
+    value head A diag(beta) and A (bf16 64 x 64), gcum (fp32 64), the chunk decay (fp32),
+    the start state S^T (bf16 128 x 128) and v_new (bf16 64 x 128); per chunk slot and q/k
+    head the rows' log inverse norms with ``use_qk_l2norm`` (fp32 2 x 64); each piece
+    rounded up to 256 bytes."""
+    tiles = (-(-T // pytorch_gdn.CHUNK) + N) * HV
+    pieces = (tiles * 64 * 64 * 2, tiles * 64 * 4, tiles * 4,
+              (-(-T // pytorch_gdn.CHUNK) + N) * H * 2 * 64 * 4 if use_qk_l2norm else 0,
+              tiles * 64 * 64 * 2, tiles * 128 * 128 * 2, tiles * 64 * 128 * 2)
+    return sum(-(-n // 256) * 256 for n in pieces)
+
+
+@torch.library.custom_op("cake::gdn_fwd_full", mutates_args=())
+def gdn_fwd_full(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool,
+    deterministic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``cake::gdn_fwd`` of the full save mode: (o, final_state, tapes), tapes uint8
+    [``gdn_saved_bytes``] on the CUDA path (the forward's tapes for ``cake::gdn_bwd``),
+    empty on the PyTorch path. o and final_state are bitwise ``cake::gdn_fwd``'s."""
+    o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                      deterministic)
+    return o, final_state, q.new_empty(0, dtype=torch.uint8)
+
+
+@gdn_fwd_full.register_kernel("cuda")
+def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_scale(scale)
+    if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
+        o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                          deterministic)
+        return o, final_state, q.new_empty(0, dtype=torch.uint8)
+    from .. import build
+
+    return build.load().gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                     effective_deterministic(deterministic))
+
+
 def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
@@ -93,10 +150,11 @@ def gdn_bwd(
     scale: float,
     use_qk_l2norm: bool,
     deterministic: bool,
+    tapes: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Chunked GDN backward: recomputes the forward's tapes from the inputs (the light
-    save mode: nothing but the inputs is saved), walks dS back, then the chunk-local
-    gradients.
+    """Chunked GDN backward: the forward's tapes (recomputed from the inputs in the light
+    save mode; ``tapes`` from ``cake::gdn_fwd_full`` in the full one), dS walked back,
+    then the chunk-local gradients.
 
     Returns (dq, dk, dv, dg, dbeta, dh0) with the dtypes of (q, k, v, g, beta) and
     dh0 [N, HV, K, V] fp32 (the gradient of the initial state, zero or not).
@@ -121,7 +179,8 @@ def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale
 
 
 @gdn_bwd.register_kernel("cuda")
-def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                  tapes=None):
     _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
     if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
@@ -129,10 +188,12 @@ def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, u
     deterministic = effective_deterministic(deterministic)
     from .. import build
 
-    # Recomputes the forward's tapes with the forward's own plan (its first kernel checks
-    # cu_seqlens's values), then walks dS back and forms the chunk-local gradients.
+    # Recomputes the forward's tapes with the forward's own plan, or takes the kept ones
+    # (its first kernel checks cu_seqlens's values), then walks dS back and forms the
+    # chunk-local gradients. An empty tapes tensor is a forward that ran the PyTorch path.
+    kept = tapes if tapes is not None and tapes.numel() > 0 else None
     return build.load().gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                deterministic)
+                                deterministic, -1, -1, -1, kept)
 
 
 def _setup_context(ctx, inputs, output):
@@ -153,6 +214,27 @@ def _backward(ctx, do, dht):
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _setup_context_full(ctx, inputs, output):
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic = inputs
+    # Full save mode: the inputs and the forward's tapes.
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, output[2])
+    ctx.mark_non_differentiable(output[2])
+    ctx.args = (scale, use_qk_l2norm, deterministic)
+
+
+def _backward_full(ctx, do, dht, _dtapes):
+    q, k, v, g, beta, cu_seqlens, initial_state, tapes = ctx.saved_tensors
+    dq, dk, dv, dg, dbeta, dh0 = torch.ops.cake.gdn_bwd(
+        do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args, tapes
+    )
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
+
+
+gdn_fwd_full.register_autograd(_backward_full, setup_context=_setup_context_full)
+
+SAVE_MODES = ("light", "full")
+
+
 def gdn(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -166,6 +248,7 @@ def gdn(
     output_final_state: bool = False,
     use_qk_l2norm: bool = False,
     deterministic: bool = True,
+    save_mode: str = "light",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet (chunked, differentiable) over packed variable-length documents.
 
@@ -181,6 +264,10 @@ def gdn(
         output_final_state: return the final state [N, HV, K, V] fp32.
         use_qk_l2norm: L2-normalise q and k inside the op (with its backward).
         deterministic: bitwise reproducible (default). False allows faster plans.
+        save_mode: what the forward keeps for the backward: "light" (default) the inputs
+            only, the backward recomputes the rest; "full" also the forward's tapes
+            (``gdn_saved_bytes``, about 1 KB per token and value head on the CUDA path),
+            so the backward runs faster. Gradients are bitwise the same in both.
     Returns:
         (o in v's layout and dtype, final_state or None).
     """
@@ -188,13 +275,17 @@ def gdn(
         "q", q, 3, cu_seqlens, {"k": (k, 3), "v": (v, 3), "g": (g, 2), "beta": (beta, 2)}
     )
     check_gdn(q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state)
+    if save_mode not in SAVE_MODES:
+        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     check_scale(scale)
-    o, final_state = torch.ops.cake.gdn_fwd(
-        q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state, float(scale),
-        use_qk_l2norm, deterministic,
-    )
+    args = (q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state, float(scale),
+            use_qk_l2norm, deterministic)
+    if save_mode == "full":
+        o, final_state, _ = torch.ops.cake.gdn_fwd_full(*args)
+    else:
+        o, final_state = torch.ops.cake.gdn_fwd(*args)
     if batch is not None:
         o = o.unflatten(0, batch)
     return o, (final_state if output_final_state else None)

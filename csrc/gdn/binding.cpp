@@ -91,15 +91,18 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
 // of every call.
 struct GdnFwdCall {
   at::Tensor q, k, v, g, beta, cu, h0, o, final_state, workspace;
+  at::Tensor chunks;  // the per-chunk block, where the plan has it apart (the full save mode)
   GdnPlan plan;
   GdnFwdArgs args{};
 };
 
 // outputs = false (the backward's recompute): v and the initial state are read, but no o
-// or final state is allocated.
+// or final state is allocated. A plan with the per-chunk block apart takes `chunks` (the
+// forward's kept block, checked by the caller) or allocates it.
 GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
-                           const std::optional<at::Tensor>& initial_state, double scale, bool outputs = true) {
+                           const std::optional<at::Tensor>& initial_state, double scale, bool outputs = true,
+                           const at::Tensor* chunks = nullptr) {
   GdnFwdCall c;
   c.plan = plan;
   c.q = dense16(q);
@@ -109,6 +112,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
   c.beta = beta.contiguous();
   c.cu = cu_seqlens.contiguous();
   c.workspace = at::empty({plan.ws.bytes}, q.options().dtype(at::kByte));
+  if (plan.chunks_apart) c.chunks = chunks != nullptr ? *chunks : at::empty({plan.ws.chunk.bytes}, c.workspace.options());
   if (v != nullptr) {
     if (initial_state) c.h0 = dense16(*initial_state);
     if (outputs) {
@@ -129,7 +133,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
   a.o = c.o.defined() ? c.o.data_ptr() : nullptr;
   a.final_state = c.final_state.defined() ? c.final_state.data_ptr<float>() : nullptr;
   a.scale = static_cast<float>(scale);
-  gdn_fwd_apply_plan(plan, c.workspace.data_ptr(), a);
+  gdn_fwd_apply_plan(plan, c.workspace.data_ptr(), a, c.chunks.defined() ? c.chunks.data_ptr() : nullptr);
   return c;
 }
 
@@ -142,7 +146,7 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
 GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor& q,
                             const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
                             bool deterministic, int64_t segment_chunks, int64_t value_splits, bool backward,
-                            int64_t head_slices = -1) {
+                            int64_t head_slices = -1, bool tapes = false) {
   // Part of the eligibility rule (cake_ops/dispatch.py): the walk takes log2(scale).
   TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ", scale);
   if (initial_state) {
@@ -164,27 +168,48 @@ GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor
               ": head_slices must be -1 (the plan's choice) or a divisor of q's heads H = ", s.H, ", got ", head_slices);
   if (!backward)
     return gdn_fwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
-                             static_cast<int>(segment_chunks), static_cast<int>(value_splits));
+                             static_cast<int>(segment_chunks), static_cast<int>(value_splits), tapes);
   return gdn_bwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
                            static_cast<int>(segment_chunks), static_cast<int>(value_splits),
-                           static_cast<int>(head_slices));
+                           static_cast<int>(head_slices), tapes);
 }
 
 // The whole forward: (o, final_state); segment_chunks and value_splits as check_and_plan_walk says.
+// keep_tapes (the full save mode): the per-chunk block with the tapes is a tensor of its
+// own (GdnChunkLayout), written by the prep (with A) and the walk (o and the tapes in one
+// pass), returned as `tapes` for gdn_bwd.
+GdnFwdCall run_gdn_fwd(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                       const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                       const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
+                       bool deterministic, int64_t segment_chunks, int64_t value_splits, bool keep_tapes) {
+  const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
+                                           segment_chunks, value_splits, /*backward=*/false, 1, keep_tapes);
+  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale);
+  const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(launch_err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(launch_err));
+  return c;
+}
+
 std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                           const at::Tensor& g, const at::Tensor& beta,
-                                           const at::Tensor& cu_seqlens,
+                                           const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                            const std::optional<at::Tensor>& initial_state, double scale,
                                            bool use_qk_l2norm, bool deterministic, int64_t segment_chunks,
                                            int64_t value_splits) {
-  const GdnShapes s = check_gdn_inputs("gdn_fwd", q, k, &v, g, beta, cu_seqlens);
-  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  const GdnPlan plan = check_and_plan_walk("gdn_fwd", s, q, initial_state, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/false);
-  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale);
-  const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(launch_err == cudaSuccess, "gdn_fwd: kernel launch failed: ", cudaGetErrorString(launch_err));
+  const GdnFwdCall c = run_gdn_fwd("gdn_fwd", q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                   deterministic, segment_chunks, value_splits, /*keep_tapes=*/false);
   return {c.o, c.final_state};
+}
+
+// (o, final_state, tapes): the full save mode's forward; tapes is uint8 [GdnChunkLayout bytes].
+std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_full(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
+    const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
+    bool deterministic, int64_t segment_chunks, int64_t value_splits) {
+  const GdnFwdCall c = run_gdn_fwd("gdn_fwd_full", q, k, v, g, beta, cu_seqlens, initial_state, scale,
+                                   use_qk_l2norm, deterministic, segment_chunks, value_splits, /*keep_tapes=*/true);
+  return {c.o, c.final_state, c.chunks};
 }
 
 // A piece of a call's workspace as a tensor view.
@@ -219,13 +244,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const GdnWorkspaceLayout& w = plan.ws;
   at::Tensor chunk_offsets = workspace_piece(c.workspace, w.chunk_offsets, at::kInt, {s.N + 1});
   if (s.N == 0) chunk_offsets.zero_();  // no document: the plan stage does not run
-  at::Tensor qk_lrn = use_qk_l2norm ? workspace_piece(c.workspace, w.qk_lrn, at::kFloat, {NC, s.H, 2, C})
+  at::Tensor qk_lrn = use_qk_l2norm ? workspace_piece(c.workspace, w.chunks + w.chunk.qk_lrn, at::kFloat, {NC, s.H, 2, C})
                                     : at::empty({0}, q.options().dtype(at::kFloat));
-  return {workspace_piece(c.workspace, w.h_tape, at::kBFloat16, {NC, HV, D, D}),
-          workspace_piece(c.workspace, w.v_new_tape, at::kBFloat16, {NC, HV, C, D}),
-          workspace_piece(c.workspace, w.a, at::kBFloat16, {NC, HV, C, C}),
-          workspace_piece(c.workspace, w.a_unit, at::kBFloat16, {NC, HV, C, C}),
-          workspace_piece(c.workspace, w.gcum, at::kFloat, {NC, HV, C}),
+  return {workspace_piece(c.workspace, w.chunks + w.chunk.h_tape, at::kBFloat16, {NC, HV, D, D}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.v_new_tape, at::kBFloat16, {NC, HV, C, D}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.a, at::kBFloat16, {NC, HV, C, C}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.a_unit, at::kBFloat16, {NC, HV, C, C}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.gcum, at::kFloat, {NC, HV, C}),
           qk_lrn,
           chunk_offsets};
 }
@@ -249,9 +274,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
   TORCH_CHECK(err == cudaSuccess, "gdn_fwd_prep: kernel launch failed: ", cudaGetErrorString(err));
   const int64_t NC = plan.chunk_slots;
   constexpr int64_t C = kGdnChunk;
-  return {workspace_piece(c.workspace, plan.ws.a, at::kBFloat16, {NC, s.HV, C, C}),
-          workspace_piece(c.workspace, plan.ws.gcum, at::kFloat, {NC, s.HV, C}),
-          workspace_piece(c.workspace, plan.ws.chunk_decay, at::kFloat, {NC, s.HV})};
+  const GdnWorkspaceLayout& w = plan.ws;
+  return {workspace_piece(c.workspace, w.chunks + w.chunk.a, at::kBFloat16, {NC, s.HV, C, C}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.gcum, at::kFloat, {NC, s.HV, C}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.chunk_decay, at::kFloat, {NC, s.HV})};
 }
 
 // The backward's reverse walk alone (gdn/bwd_walk.h), for tests of the stage: (dS tape
@@ -466,12 +492,14 @@ T* heads_on(T* p, int64_t heads, int64_t head_elems, int64_t elem_bytes) {
 // Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta) and fp32 dh0
 // [N, HV, K, V]. do arrives as o's gradient (bf16 [T, HV, V]), dht as the final state's
 // (fp32 [N, HV, K, V]) or none. head_slices: -1 lets the plan choose, else a divisor of H
-// (the bits do not depend on it).
+// (the bits do not depend on it). tapes: the full save mode's per-chunk block from
+// gdn_fwd_full for the same arguments, or none: with it the backward recomputes nothing
+// but the plan's offsets (one slice), and its gradients are bitwise those without it.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd(
     const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, bool deterministic,
-    int64_t segment_chunks, int64_t value_splits, int64_t head_slices) {
+    int64_t segment_chunks, int64_t value_splits, int64_t head_slices, const std::optional<at::Tensor>& tapes) {
   constexpr const char* op = "gdn_bwd";
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
@@ -486,9 +514,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     check_same_device(*dht, q, op, "dht", "q");
   }
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  if (tapes) {
+    const int64_t bytes = gdn_chunk_layout(s.T, s.N, s.H, s.HV, use_qk_l2norm, /*with_tapes=*/true).bytes;
+    TORCH_CHECK(tapes->dim() == 1 && tapes->numel() == bytes && tapes->scalar_type() == at::kByte &&
+                    tapes->is_contiguous(),
+                op, ": tapes must be the uint8 [", bytes, "] tensor gdn_fwd_full returned for these shapes and "
+                "use_qk_l2norm, got ", tapes->scalar_type(), " ", tapes->sizes());
+    check_same_device(*tapes, q, op, "tapes", "q");
+  }
   const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/true, head_slices);
-  const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
+                                           segment_chunks, value_splits, /*backward=*/true, head_slices,
+                                           tapes.has_value());
+  const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false,
+                                       tapes ? &*tapes : nullptr);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor dout_c = dense16(dout);
   const at::Tensor dht_c = dht ? dht->contiguous() : at::Tensor();
@@ -512,7 +550,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     f.g = heads_on(f.g, hv0, 1, 4);
     f.beta = heads_on(f.beta, hv0, 1, beta_bytes);
     f.initial_state = heads_on(f.initial_state, hv0, D * D, 4);
-    cudaError_t err = gdn_bwd_tapes_launch(f, stream);
+    // Kept tapes: only the plan kernel's offsets (the backward's own plan: its cut grid
+    // may differ from the forward's where the SM count does).
+    cudaError_t err = tapes ? gdn_fwd_plan_launch(f, stream) : gdn_bwd_tapes_launch(f, stream);
     TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tapes): ", cudaGetErrorString(err));
 
     GdnBwdWalkArgs r{};
@@ -615,8 +655,12 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1, int head_slices=-1) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, "
-      "Tensor dh0)");
+      "int value_splits=-1, int head_slices=-1, Tensor? tapes=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
+      "Tensor dbeta, Tensor dh0)");
+  m.def(
+      "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
+      "int value_splits=-1) -> (Tensor, Tensor, Tensor tapes)");
 }
 
 TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
@@ -626,4 +670,5 @@ TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
   m.impl("gdn_bwd_walk", &cake::gdn_bwd_walk);
   m.impl("gdn_bwd_local", &cake::gdn_bwd_local);
   m.impl("gdn_bwd", &cake::gdn_bwd);
+  m.impl("gdn_fwd_full", &cake::gdn_fwd_full);
 }

@@ -5,6 +5,8 @@
 //   tape:    the backward's recompute: the output mode's walks (same start states, same
 //            chain instructions), writing per chunk the h and v_new tapes instead of o
 //            (no q, P~ or O; no final state; fwd_walk_tapes.cuh);
+//   output and tape: both at once, the forward of the full save mode (its tapes are
+//            bitwise tape mode's: the same chain instructions, the same fragments);
 //   summary: the walk of one segment without output, from zero (E_s; segment 0 from the
 //            initial state) or from the identity with v = 0 (M_s), written to the
 //            segment workspaces for the chain (fwd_chain.cu); at a truncated cut
@@ -164,7 +166,7 @@ template <WalkMode kMode, int kStateWgs>
 cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t stream) {
   constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // one CTA per segment walk (output, tape)
   auto kernel = gdn_fwd_walk_kernel<kMode, kStateWgs>;
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWalkSmemBytes<kMode>);
   if (err != cudaSuccess) return err;
   int64_t blocks = items * p.HV * (kSegmentWalk ? 1 : 2) * (3 - kStateWgs);
   if (blocks == 0) return cudaSuccess;
@@ -176,8 +178,8 @@ cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t st
   err = encode_walk_maps(p, maps);
   if (err != cudaSuccess) return err;
   const GdnFwdCoreArgs& core = p;
-  const WalkTapes tapes = kMode == WalkMode::kTape ? WalkTapes{p.h_tape, p.v_new_tape} : WalkTapes{};
-  kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kSmemBytes, stream>>>(core, maps, tapes);
+  const WalkTapes tapes = walks_tapes(kMode) ? WalkTapes{p.h_tape, p.v_new_tape} : WalkTapes{};
+  kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kWalkSmemBytes<kMode>, stream>>>(core, maps, tapes);
   return cudaGetLastError();
 }
 
@@ -195,6 +197,7 @@ cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
 }  // namespace
 
 cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.h_tape != nullptr && p.v_new_tape != nullptr) return launch_walk<WalkMode::kOutputTape>(p, stream);
   return launch_walk<WalkMode::kOutput>(p, stream);
 }
 

@@ -28,8 +28,11 @@ namespace cake::gdn_walk {
 //   kOutput   o, from the segment's start state; the last segment writes the final state;
 //   kSummary  E_s (from zero, or the initial state) or M_s (from the identity, v = 0);
 //   kTape     the backward's tapes, from the segment's start state as kOutput: h (S^T at
-//             each chunk's start, bf16) and v_new (bf16); no q, P~, o or final state.
-enum class WalkMode { kOutput, kSummary, kTape };
+//             each chunk's start, bf16) and v_new (bf16); no q, P~, o or final state;
+//   kOutputTape  kOutput and the tapes of kTape in one walk (the full save mode's forward).
+enum class WalkMode { kOutput, kSummary, kTape, kOutputTape };
+__host__ __device__ constexpr bool walks_output(WalkMode m) { return m == WalkMode::kOutput || m == WalkMode::kOutputTape; }
+__host__ __device__ constexpr bool walks_tapes(WalkMode m) { return m == WalkMode::kTape || m == WalkMode::kOutputTape; }
 
 // kStateWgs state warpgroups (2: both halves of the value columns; 1: the CTA's half),
 // then the aux warpgroup.
@@ -70,6 +73,12 @@ constexpr int kGLogRk = 320;   // log2(1 / |k_j|)
 constexpr int kGGamma = 384;   // e^gl
 constexpr int kStageBytes = kGOff + 2048;  // padded: every tile stays 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
+// kOutputTape stages h in 16 KB after the ring (8 warps x 2 KB): the Q tiles, where kTape
+// stages it, are loaded in that mode.
+constexpr int kHStageOff = kStages * kStageBytes;
+template <WalkMode kMode>
+constexpr int kWalkSmemBytes = kSmemBytes + (kMode == WalkMode::kOutputTape ? 8 * 2048 : 0);
+static_assert(kWalkSmemBytes<WalkMode::kOutputTape> <= 227 * 1024, "shared memory of one CTA an SM");
 
 // Named barriers (mma::bar_sync / bar_arrive; 0 is __syncthreads).
 constexpr int kBarFull = 1;      // + 7 wg + stage: one per state warpgroup (1..3, 8..10)

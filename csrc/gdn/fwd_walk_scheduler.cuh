@@ -59,7 +59,7 @@ struct Walk {
 
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index) {
-  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // from the segment's start state (kOutput, kTape)
+  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // from the segment's start state (kOutput, kTape, kOutputTape)
   constexpr int kKinds = kSegmentWalk ? 1 : 2, kHalves = 3 - kStateWgs;
   Walk w{};
   w.half = kHalves == 2 ? static_cast<int>(index % 2) : 0;
@@ -91,7 +91,7 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index
   } else if (kSegmentWalk) {
     w.S0 = p.seg_state + ((inner - 1) * p.HV + hv) * kMat;  // the chained start state: the previous segment's
   }
-  if constexpr (kMode == WalkMode::kOutput)
+  if constexpr (walks_output(kMode))
     w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV_stride + hv) * kMat : nullptr;
   else if constexpr (kMode == WalkMode::kSummary)
     w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (inner * p.HV + hv) * kMat;

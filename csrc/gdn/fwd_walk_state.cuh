@@ -33,7 +33,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
                                                 int wg, int vh, int64_t hv, int64_t seg_start, int64_t doc_end, int nch,
                                                 const float* S0, bool identity, float* S_end, int64_t first_slot,
                                                 WalkTapes tapes) {
-  constexpr bool kOutput = kMode == WalkMode::kOutput, kTape = kMode == WalkMode::kTape;
+  constexpr bool kOutput = walks_output(kMode), kTape = walks_tapes(kMode);
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix/stmatrix: this lane's matrix and row
@@ -97,7 +97,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
     if constexpr (kTape) {  // h: S^T at the chunk's start, while U^T is formed
       __nv_bfloat16* h_rows = static_cast<__nv_bfloat16*>(tapes.h) +
                               (((first_slot + c) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp) * kGdnHeadDim;
-      store_h_chunk(sfrag, smem + kQOff + (4 * wg + warp) * 2048, h_rows);
+      store_h_chunk(sfrag, smem + (kOutput ? kHStageOff : kQOff) + (4 * wg + warp) * 2048, h_rows);
     }
 
     // (2) Group 3: X = (V^T + W') (A diag(beta))^T with W' = -e^gcum_j U^T, the sum formed
@@ -165,6 +165,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
       __nv_bfloat16* vn_rows = static_cast<__nv_bfloat16*>(tapes.v_new) +
                                ((first_slot + c) * p.HV + hv) * kGdnChunk * kGdnHeadDim + v0;
       store_v_new_chunk(xfrag, st, sv, vn_rows, vh, t0, doc_end);
+      if constexpr (kOutput) __syncwarp();  // o is staged in the same columns next
     }
     wgmma::wait<0>();
     if constexpr (kOutput) wgmma::fence_operands(o);

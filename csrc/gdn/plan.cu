@@ -182,9 +182,12 @@ int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int 
 namespace {
 
 // The plan for a given cut grid: the value splits (for H, HV heads) and the workspace layout.
+// The per-chunk block has the tapes when with_tapes, and lives apart from the workspace
+// when chunks_apart.
 GdnPlan plan_for_grid(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, int sm_count, int seg_chunks,
-                      int seg_long_max, int value_splits) {
+                      int seg_long_max, int value_splits, bool with_tapes, bool chunks_apart) {
   GdnPlan p{};
+  p.chunks_apart = chunks_apart;
   p.T = T;
   p.N = N;
   p.H = H;
@@ -202,7 +205,7 @@ GdnPlan plan_for_grid(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l
   p.inner_slots =
       p.seg_chunks > 0 ? gdn_fwd_inner_segment_slots(T, gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max)) : 0;
   p.chain_slots = gdn_fwd_chain_doc_slots(T, N, p.seg_chunks);
-  const int64_t NC = p.chunk_slots, NI = p.inner_slots;
+  const int64_t NI = p.inner_slots;
   constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
   Carve c;
   GdnWorkspaceLayout& w = p.ws;
@@ -213,67 +216,82 @@ GdnPlan plan_for_grid(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l
   w.seg_exact = c.take(NI * HV * 4);
   w.chain_docs = c.take(p.chain_slots * 4);
   w.walk_queue = c.take(4);
-  w.a = c.take(NC * HV * kGdnChunk * kGdnChunk * 2);
-  w.gcum = c.take(NC * HV * kGdnChunk * 4);
-  w.chunk_decay = c.take(NC * HV * 4);
-  w.qk_lrn = c.take(use_qk_l2norm ? NC * H * 2 * kGdnChunk * 4 : 0);
+  w.chunk = gdn_chunk_layout(T, N, H, HV, use_qk_l2norm, with_tapes);
+  w.chunks = c.take(chunks_apart ? 0 : w.chunk.bytes);
   w.bytes = c.bytes;
   return p;
 }
 
 }  // namespace
 
+GdnChunkLayout gdn_chunk_layout(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool with_tapes) {
+  const int64_t tiles = gdn_fwd_chunk_slots(T, N) * HV;  // (chunk slot, value head) tiles
+  constexpr int64_t kATile = kGdnChunk * kGdnChunk * 2, kStateTile = kGdnHeadDim * kGdnHeadDim * 2,
+                    kChunkTile = kGdnChunk * kGdnHeadDim * 2;
+  Carve c;
+  GdnChunkLayout l{};
+  l.with_tapes = with_tapes;
+  l.a = c.take(tiles * kATile);
+  l.gcum = c.take(tiles * kGdnChunk * 4);
+  l.chunk_decay = c.take(tiles * 4);
+  l.qk_lrn = c.take(use_qk_l2norm ? gdn_fwd_chunk_slots(T, N) * H * 2 * kGdnChunk * 4 : 0);
+  l.a_unit = c.take(with_tapes ? tiles * kATile : 0);
+  l.h_tape = c.take(with_tapes ? tiles * kStateTile : 0);
+  l.v_new_tape = c.take(with_tapes ? tiles * kChunkTile : 0);
+  l.bytes = c.bytes;
+  return l;
+}
+
 GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks, int value_splits) {
+                          int sm_count, int segment_chunks, int value_splits, bool keep_tapes) {
   const int seg_chunks =
       segment_chunks >= 0 ? segment_chunks : gdn_fwd_choose_segment_chunks(T, N, HV, deterministic, sm_count);
   // An explicit grid (tests, sweeps) cuts every document alike.
   const int seg_long_max = segment_chunks >= 0 ? 0 : gdn_fwd_choose_segment_long_max(HV, deterministic);
-  return plan_for_grid(T, N, H, HV, use_qk_l2norm, sm_count, seg_chunks, seg_long_max, value_splits);
+  return plan_for_grid(T, N, H, HV, use_qk_l2norm, sm_count, seg_chunks, seg_long_max, value_splits, keep_tapes,
+                       keep_tapes);
 }
 
 GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks, int value_splits, int head_slices) {
+                          int sm_count, int segment_chunks, int value_splits, int head_slices, bool kept_tapes) {
   // The forward's grid, chosen for all HV heads (so a slice walks as the forward did).
   const GdnPlan whole = gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, segment_chunks, 1);
-  const int slices = head_slices > 0 ? head_slices
-                                     : gdn_bwd_choose_head_slices(T, N, H, HV, whole.seg_chunks, whole.seg_long_max,
-                                                                  sm_count);
+  const int slices = kept_tapes ? 1
+                     : head_slices > 0
+                         ? head_slices
+                         : gdn_bwd_choose_head_slices(T, N, H, HV, whole.seg_chunks, whole.seg_long_max, sm_count);
   assert(slices >= 1 && H % slices == 0);
   GdnPlan p = plan_for_grid(T, N, H / slices, HV / slices, use_qk_l2norm, sm_count, whole.seg_chunks,
-                            whole.seg_long_max, value_splits);
+                            whole.seg_long_max, value_splits, /*with_tapes=*/true, /*chunks_apart=*/kept_tapes);
   p.head_slices = slices;
   p.backward = true;
-  const int64_t tiles = p.chunk_slots * p.HV;  // (chunk slot, value head) tiles of one slice
-  constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2, kChunkTile = kGdnChunk * kGdnHeadDim * 2;
+  constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2;
   Carve c{p.ws.bytes};
-  GdnWorkspaceLayout& w = p.ws;
-  w.a_unit = c.take(tiles * kGdnChunk * kGdnChunk * 2);
-  w.h_tape = c.take(tiles * kStateTile);
-  w.v_new_tape = c.take(tiles * kChunkTile);
-  w.dS_tape = c.take(tiles * kStateTile);
-  w.bytes = c.bytes;
+  p.ws.dS_tape = c.take(p.chunk_slots * p.HV * kStateTile);
+  p.ws.bytes = c.bytes;
   return p;
 }
 
-void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a) {
+void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a, void* chunk_block) {
   unsigned char* base = static_cast<unsigned char*>(workspace);
   const GdnWorkspaceLayout& w = plan.ws;
+  const GdnChunkLayout& l = w.chunk;
+  unsigned char* chunks = plan.chunks_apart ? static_cast<unsigned char*>(chunk_block) : base + w.chunks;
   const bool inner = plan.inner_slots > 0, cut = plan.seg_chunks > 0;
   a.chunk_offsets = reinterpret_cast<int32_t*>(base + w.chunk_offsets);
-  a.a = base + w.a;
-  a.gcum = reinterpret_cast<float*>(base + w.gcum);
-  a.chunk_decay = reinterpret_cast<float*>(base + w.chunk_decay);
-  a.qk_lrn = plan.use_qk_l2norm ? reinterpret_cast<float*>(base + w.qk_lrn) : nullptr;
+  a.a = chunks + l.a;
+  a.gcum = reinterpret_cast<float*>(chunks + l.gcum);
+  a.chunk_decay = reinterpret_cast<float*>(chunks + l.chunk_decay);
+  a.qk_lrn = plan.use_qk_l2norm ? reinterpret_cast<float*>(chunks + l.qk_lrn) : nullptr;
   a.seg_offsets = reinterpret_cast<int32_t*>(base + w.seg_offsets);
   a.seg_state = inner ? reinterpret_cast<float*>(base + w.seg_state) : nullptr;
   a.seg_transfer = inner ? reinterpret_cast<float*>(base + w.seg_transfer) : nullptr;
   a.seg_exact = inner ? reinterpret_cast<int32_t*>(base + w.seg_exact) : nullptr;
   a.chain_docs = cut ? reinterpret_cast<int32_t*>(base + w.chain_docs) : nullptr;
   a.walk_queue = cut ? reinterpret_cast<int32_t*>(base + w.walk_queue) : nullptr;
-  a.a_unit = plan.backward ? base + w.a_unit : nullptr;
-  a.h_tape = plan.backward ? base + w.h_tape : nullptr;
-  a.v_new_tape = plan.backward ? base + w.v_new_tape : nullptr;
+  a.a_unit = l.with_tapes ? chunks + l.a_unit : nullptr;
+  a.h_tape = l.with_tapes ? chunks + l.h_tape : nullptr;
+  a.v_new_tape = l.with_tapes ? chunks + l.v_new_tape : nullptr;
   a.T = plan.T;
   a.N = plan.N;
   a.H = plan.H;

@@ -61,18 +61,32 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
 // (its grid is chosen from the whole call already).
 int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic);
 
+// The per-chunk block: the pieces of every chunk slot and head (gdn.h) that the prep and
+// the walk write and the backward reads, byte offsets from the block's start, each
+// 256-byte aligned: a, gcum, chunk_decay, qk_lrn (0 bytes without use_qk_l2norm) and,
+// with_tapes, a_unit, h_tape, v_new_tape (else 0 bytes). Its layout depends on T, N, H,
+// HV and use_qk_l2norm alone, never on the plan, so that the full save mode can keep it
+// from the forward to the backward as one tensor whose size the op's fake kernel knows
+// (cake_ops/ops/gdn.py, gdn_saved_bytes).
+struct GdnChunkLayout {
+  int64_t a, gcum, chunk_decay, qk_lrn, a_unit, h_tape, v_new_tape;
+  bool with_tapes;
+  int64_t bytes;
+};
+GdnChunkLayout gdn_chunk_layout(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool with_tapes);
+
 // Byte offsets of the workspace pieces (gdn.h) in one buffer, each 256-byte aligned; a
-// piece that the call does not use has 0 bytes (its pointer is set to nullptr). The
-// backward's pieces (gdn_bwd_make_plan; 0 bytes in a forward plan) follow the forward's,
-// so one buffer serves the whole backward: the recompute's (gdn_bwd_tapes_launch)
-// a_unit, h_tape, v_new_tape, and the reverse walk's dS_tape [NC, HV, 128, 128] bf16
-// (gdn/bwd_walk.h; its dv_new goes to dv's memory, which the chunk-local gradients
-// overwrite).
+// piece that the call does not use has 0 bytes (its pointer is set to nullptr): the plan
+// kernel's offsets, the cuts' pieces, the per-chunk block (unless it lives apart:
+// GdnPlan::chunks_apart) and, in a backward plan, the reverse walk's dS_tape [NC, HV,
+// 128, 128] bf16 (gdn/bwd_walk.h; its dv_new goes to dv's memory, which the chunk-local
+// gradients overwrite), so one buffer serves the whole backward.
 struct GdnWorkspaceLayout {
   int64_t chunk_offsets, seg_offsets, seg_state, seg_transfer, seg_exact, chain_docs, walk_queue;
-  int64_t a, gcum, chunk_decay, qk_lrn;
-  int64_t a_unit, h_tape, v_new_tape, dS_tape;  // the backward's
-  int64_t bytes;  // the buffer's size
+  int64_t chunks;   // the per-chunk block (0 bytes when apart)
+  GdnChunkLayout chunk;
+  int64_t dS_tape;  // the backward's
+  int64_t bytes;    // the buffer's size
 };
 
 // Everything the host decides for one call.
@@ -89,6 +103,7 @@ struct GdnPlan {
   int64_t inner_slots;        // NI: the seg_ workspaces' segments
   int64_t chain_slots;        // ND
   bool backward;              // the layout has the backward's pieces (gdn_bwd_make_plan)
+  bool chunks_apart;          // the per-chunk block is a buffer of its own (the full save mode's)
   GdnWorkspaceLayout ws;
 };
 
@@ -97,9 +112,11 @@ struct GdnPlan {
 // an explicit grid cuts every document alike: no finer long-document grid).
 // value_splits: -1 lets the plan choose (2 where the split CTAs fit in one wave of
 // sm_count, else 1; the bits do not depend on it, so the deterministic variant chooses
-// too), 1 or 2 forces it. Forcing is for tests and tuning.
+// too), 1 or 2 forces it. Forcing is for tests and tuning. keep_tapes (the full save
+// mode): the per-chunk block, with the tapes, lives apart from the workspace, for the
+// backward to read.
 GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks = -1, int value_splits = -1);
+                          int sm_count, int segment_chunks = -1, int value_splits = -1, bool keep_tapes = false);
 
 // The backward runs its stages on one head slice at a time: H / head_slices q/k heads
 // and their value heads, in one workspace of that slice's size (docs/kernels.md,
@@ -116,13 +133,18 @@ int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int 
 // The backward's plan: the forward's cut grid for the same arguments (chosen for all HV
 // heads, so its recompute walks as the forward did) with the backward's workspace pieces
 // added, laid out for one head slice. head_slices: -1 lets the plan choose
-// (gdn_bwd_choose_head_slices), else a divisor of H (tests, tuning).
+// (gdn_bwd_choose_head_slices), else a divisor of H (tests, tuning). kept_tapes: the
+// forward's per-chunk block (gdn_fwd_make_plan's keep_tapes) is given apart, whole: one
+// slice, and the workspace holds the rest.
 GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks = -1, int value_splits = -1, int head_slices = -1);
+                          int sm_count, int segment_chunks = -1, int value_splits = -1, int head_slices = -1,
+                          bool kept_tapes = false);
 
-// Sets args' plan fields (seg_chunks, seg_long_max, splits, sm_count, shapes) and points
-// its workspace pointers into `workspace` (plan.ws.bytes bytes, 256-byte aligned); the
-// backward's (a_unit, h_tape, v_new_tape) only for a backward plan, else nullptr.
-void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& args);
+// Sets args' plan fields (seg_chunks, seg_long_max, splits, sm_count, shapes, the heads'
+// row strides) and points its workspace pointers into `workspace` (plan.ws.bytes bytes,
+// 256-byte aligned) and the per-chunk block's into `chunk_block` where the plan has it
+// apart (GdnChunkLayout bytes, 256-byte aligned), else into the workspace; a_unit,
+// h_tape and v_new_tape only where the block has the tapes, else nullptr.
+void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& args, void* chunk_block = nullptr);
 
 }  // namespace cake

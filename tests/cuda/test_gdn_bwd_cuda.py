@@ -129,6 +129,34 @@ def test_bitwise_repeats_and_every_plan_alike(ops):
 
 
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
+def test_full_save_mode_gives_the_same_bits(ops, deterministic):
+    """The full save mode: gdn_fwd_full's o and final state are bitwise gdn_fwd's, its
+    tapes are gdn_saved_bytes long, and the backward reading them (NaN-poisoned) gives
+    bitwise the gradients of the backward that recomputes them; a wrong tapes tensor is
+    refused before any kernel runs."""
+    from cake_ops.ops.gdn import gdn_saved_bytes
+
+    case = GdnCase("full_mode", (64 * 70 + 5, 1, 300, 0, 64), H=2, G=3, gate="slow", beta="extreme", l2norm=True,
+                   initial_state=True)
+    inp = case.inputs("cuda")
+    do, dht = _grad_inputs(inp, 14)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], inp["initial_state"],
+            128**-0.5, True, deterministic)
+    with poisoned_allocations():
+        o, ht, tapes = ops.gdn_fwd_full(*args)
+        o_light, ht_light = ops.gdn_fwd(*args)
+        light = _bwd(ops, inp, True, do, dht, deterministic)
+        full = ops.gdn_bwd(do, dht, *args, -1, -1, -1, tapes)
+    assert torch.equal(o, o_light) and torch.equal(ht, ht_light)
+    T, H, HV, N = inp["q"].shape[0], case.H, case.HV, len(case.lengths)
+    assert tapes.dtype == torch.uint8 and tapes.numel() == gdn_saved_bytes(T, N, H, HV, True)
+    for name, a, b in zip(GRADS, light, full):
+        assert torch.equal(a, b), f"full save mode: {name} has other bits"
+    with pytest.raises(RuntimeError, match="tapes must be"):
+        ops.gdn_bwd(do, dht, *args, -1, -1, -1, tapes[:-256])
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
 def test_head_slices_give_the_same_bits(ops, deterministic):
     """The backward run one head slice at a time (1, 2 or 4 slices of 4 q/k heads, each
     with its 2 value heads; NaN-poisoned) gives bitwise the gradients of the unsliced
@@ -226,17 +254,18 @@ def test_full_reset_gate(ops):
 
 
 @pytest.mark.parametrize("case", [CASES[2], CASES[0]], ids=["gva2_bf16beta", "with_initial_state"])
-def test_op_dispatches_its_backward_to_cuda(ops, case):
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_op_dispatches_its_backward_to_cuda(ops, case, save_mode):
     """cake_ops.gdn's autograd runs the CUDA backward for a call the rule takes, with an
-    initial state or without (every gradient, dh0 included, bitwise the binding's), and
-    the PyTorch one for a call it refuses (fp16 here)."""
+    initial state or without, in either save mode (every gradient, dh0 included, bitwise
+    the binding's light backward), and the PyTorch one for a call it refuses (fp16 here)."""
     inp = case.inputs("cuda")
     do, dht = _grad_inputs(inp, 10)
     args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
     assert dispatch.gdn_bwd_cuda_refusal(do, dht, *args, 128**-0.5) is None
     leaves = {n: inp[n].clone().requires_grad_() for n in LEAVES if inp[n] is not None}
     o, ht = cake_ops.gdn(*(leaves[n] for n in LEAVES[:5]), inp["cu_seqlens"], initial_state=leaves.get("initial_state"),
-                         output_final_state=True, use_qk_l2norm=case.l2norm)
+                         output_final_state=True, use_qk_l2norm=case.l2norm, save_mode=save_mode)
     torch.autograd.backward([o, ht], [do, dht])
     direct = _bwd(ops, inp, case.l2norm, do, dht)
     for n, d in zip(LEAVES, direct):
@@ -271,18 +300,19 @@ def _layer_step(layer, x, cu):
     return (loss.detach(),) + grads
 
 
-def _layer_and_batch(seed):
+def _layer_and_batch(seed, save_mode="light"):
     torch.manual_seed(seed)
-    layer = cake_ops.GatedDeltaNet(hidden_size=256, num_heads=2, num_v_heads=4).cuda().bfloat16()
+    layer = cake_ops.GatedDeltaNet(hidden_size=256, num_heads=2, num_v_heads=4, save_mode=save_mode).cuda().bfloat16()
     x = torch.randn(1, 700, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     cu = torch.tensor([0, 100, 101, 500, 700], dtype=torch.int32, device="cuda")
     return layer, x, cu
 
 
-def test_training_step_replays_in_one_cuda_graph(ops):
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_training_step_replays_in_one_cuda_graph(ops, save_mode):
     """A GDN layer's forward and backward (short conv and GDN on their CUDA kernels)
     captured in one CUDA graph replays bitwise equal to eager: no host sync inside."""
-    layer, x, cu = _layer_and_batch(0)
+    layer, x, cu = _layer_and_batch(0, save_mode)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -300,11 +330,12 @@ def test_training_step_replays_in_one_cuda_graph(ops):
         assert torch.equal(a, b)
 
 
-def test_training_step_compiles_to_one_graph(ops):
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+def test_training_step_compiles_to_one_graph(ops, save_mode):
     """torch.compile(fullgraph=True) of the layer (its forward, and the backward AOT
     autograd derives from it, with the CUDA kernels inside) gives eager's gradients."""
     torch._dynamo.reset()
-    layer, x, cu = _layer_and_batch(1)
+    layer, x, cu = _layer_and_batch(1, save_mode)
     eager = _layer_step(layer, x, cu)
     compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
     got = _layer_step(compiled, x, cu)

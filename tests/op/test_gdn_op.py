@@ -59,6 +59,46 @@ def test_opcheck_gdn_bwd(device):
         torch.library.opcheck(torch.ops.cake.gdn_bwd.default, args)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_gdn_fwd_full(device):
+    i = _gdn_args(device)
+    args = [i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, True, True]
+    for n in (0, 1, 2, 3, 4, 6):
+        args[n] = args[n].requires_grad_()
+    torch.library.opcheck(torch.ops.cake.gdn_fwd_full.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_save_modes_give_the_same_bits(device):
+    """save_mode="full" through cake_ops.gdn and the FLA shim: o, the final state and
+    every gradient bitwise those of the light mode, eager and compiled; a mode that
+    does not exist is refused."""
+    torch._dynamo.reset()
+    i = _gdn_args(device)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+
+    def step(save_mode, compiled=False):
+        leaves = [i[n].clone().requires_grad_() for n in names]
+
+        def f(q, k, v, g, beta, h0):
+            return cake_ops.gdn(q, k, v, g, beta, i["cu_seqlens"], initial_state=h0, output_final_state=True,
+                                use_qk_l2norm=True, save_mode=save_mode)
+
+        o, ht = (torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f)(*leaves)
+        (o.float().square().sum() + ht.sum()).backward()
+        return [o, ht] + [t.grad for t in leaves]
+
+    light = step("light")
+    for got in (step("full"), step("full", compiled=True)):
+        for a, b in zip(light, got):
+            assert torch.equal(a, b)
+    o, _ = cake_ops.chunk_gated_delta_rule(i["q"][None], i["k"][None], i["v"][None], i["g"][None], i["beta"][None],
+                                           cu_seqlens=i["cu_seqlens"], save_mode="full")
+    assert torch.equal(o[0], cake_ops.gdn(i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"])[0])
+    with pytest.raises(ValueError, match="save_mode"):
+        cake_ops.gdn(i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], save_mode="heavy")
+
+
 def _run_case(case: GdnCase, device):
     inp = case.inputs(device)
     seed, l2, h0 = case.seed, case.l2norm, case.initial_state
