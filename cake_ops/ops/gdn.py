@@ -287,7 +287,12 @@ def gdn(
     check_scale(scale)
     args = (q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state, float(scale),
             use_qk_l2norm, deterministic)
-    if save_mode == "full":
+    # A forward that autograd will not save for (no_grad, as checkpointing's first pass)
+    # keeps no tapes in either mode.
+    saves = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (q, packed["k"], packed["v"], packed["g"], packed["beta"],
+                                                   initial_state))
+    if save_mode == "full" and saves:
         o, final_state, _ = torch.ops.cake.gdn_fwd_full(*args)
     else:
         o, final_state = torch.ops.cake.gdn_fwd(*args)

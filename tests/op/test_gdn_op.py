@@ -7,6 +7,7 @@ import warnings
 
 import pytest
 import torch
+import torch.utils.checkpoint
 
 import cake_ops
 from cake_ops.ops import gdn as gdn_ops
@@ -71,25 +72,28 @@ def test_opcheck_gdn_fwd_full(device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_save_modes_give_the_same_bits(device):
     """save_mode="full" through cake_ops.gdn and the FLA shim: o, the final state and
-    every gradient bitwise those of the light mode, eager and compiled; a mode that
-    does not exist is refused."""
+    every gradient bitwise those of the light mode, eager, compiled and under
+    non-reentrant checkpointing; a mode that does not exist is refused."""
     torch._dynamo.reset()
     i = _gdn_args(device)
     names = ("q", "k", "v", "g", "beta", "initial_state")
 
-    def step(save_mode, compiled=False):
+    def step(save_mode, compiled=False, checkpointed=False):
         leaves = [i[n].clone().requires_grad_() for n in names]
 
         def f(q, k, v, g, beta, h0):
             return cake_ops.gdn(q, k, v, g, beta, i["cu_seqlens"], initial_state=h0, output_final_state=True,
                                 use_qk_l2norm=True, save_mode=save_mode)
 
-        o, ht = (torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f)(*leaves)
+        if checkpointed:
+            o, ht = torch.utils.checkpoint.checkpoint(f, *leaves, use_reentrant=False)
+        else:
+            o, ht = (torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f)(*leaves)
         (o.float().square().sum() + ht.sum()).backward()
         return [o, ht] + [t.grad for t in leaves]
 
     light = step("light")
-    for got in (step("full"), step("full", compiled=True)):
+    for got in (step("full"), step("full", compiled=True), step("full", checkpointed=True)):
         for a, b in zip(light, got):
             assert torch.equal(a, b)
     o, _ = cake_ops.chunk_gated_delta_rule(i["q"][None], i["k"][None], i["v"][None], i["g"][None], i["beta"][None],
