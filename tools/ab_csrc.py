@@ -9,6 +9,7 @@ Here (with git), export each revision's csrc/, cake_ops/, meta/ and tests/ into 
 There (the device, which gets the working tree without .git; carry ".ab"):
 
     python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests] [--trees main,try_x] [--rounds 2]
+    python tools/ab_csrc.py run --op fwdbwd [--shapes s32k_h16,s64k_h16] [--tests] ...
 
 For each exported tree in the order given: its csrc/, cake_ops/, meta/ and tests/ are
 swapped in (so each tree builds with its own cake_ops/build.py: a flat csrc/ of old
@@ -17,7 +18,11 @@ $CAKE_OPS_CACHE (a key per tree), timed per kernel with the checkout's
 tools/gdn_fwd_gpu_check.py --no-tests (deterministic and non-deterministic plans; it
 imports the tree's cake_ops.bench), and with --tests checked by the tree's own GPU
 tests of the GDN forward (tests/cuda/test_gdn_fwd_cuda.py, or tests/test_gdn_cuda.py in
-old trees: whichever the tree has), so a branch's new tests run with its kernels. A
+old trees: whichever the tree has), so a branch's new tests run with its kernels. With
+--op fwdbwd the timer is the tree's own `python -m cake_ops.bench --arms cake --ops
+fwdbwd --kernels --groups 3 --calls 5` (one forward+backward: the kernel split and the
+peak memory from its JSON) and the tests are the tree's GPU tests of the backward
+(tests/cuda/test_gdn_bwd*.py). A
 part a revision does not have stays the checkout's. The checkout's own four folders are
 put back at the end, whatever happened. A table of each tree's kernel times per shape and plan closes the output,
 which also goes to $OUT/ab_csrc.log when $OUT is set. Trees are timed one after
@@ -31,6 +36,7 @@ the machine differ between calls).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import shutil
@@ -46,8 +52,33 @@ AB = ROOT / ".ab"
 SWAPPED = ("csrc", "cake_ops", "meta", "tests")
 # The GPU tests of the GDN forward, newest layout first: the first one a tree has is run.
 GDN_TESTS = ("tests/cuda/test_gdn_fwd_cuda.py", "tests/test_gdn_cuda.py")
+# The backward's: every one the tree has.
+GDN_BWD_TESTS = "tests/cuda/test_gdn_bwd*.py"
 LINE = re.compile(r"^(\S+)\s+(det|nd)\s+kernels\s+([\d.]+) ms/call.*\[(.*)\]")
 KERNEL = re.compile(r"F\d+ (\w+) ([\d.]+)")
+PEAK = re.compile(r"peak ([\d.]+)")
+
+
+def bench_samples(results: list[dict]) -> list[tuple[str, str]]:
+    """(shape, sample) per cake fwdbwd cell of a bench JSON's results, the sample in the
+    forward timer's bracket form ("F0 <kernel> <ms>  F1 ...", kernels by time, names
+    shortened to a word), then "peak <MiB>" (the cell's peak memory)."""
+    out = []
+    for cell in results:
+        if cell.get("arm") != "cake" or cell.get("error") or not cell.get("kernels"):
+            continue
+        parts, words = [], set()
+        for name, ms in sorted(cell["kernels"].items(), key=lambda kv: -kv[1]):
+            word = re.sub(r"[^A-Za-z0-9]+", "_", name.replace("cake::gdn_walk::WalkMode", "mode").replace("cake::", ""))
+            word = word.strip("_")
+            while word in words:  # (a kernel name the bench cut short, twice)
+                word += "_"
+            words.add(word)
+            parts.append(f"F{len(parts)} {word} {ms:.3f}")
+        if cell.get("peak_mem_bytes") is not None:
+            parts.append(f"peak {cell['peak_mem_bytes'] / 2**20:.1f}")
+        out.append((cell["shape"], "  ".join(parts)))
+    return out
 
 
 def summarize(samples: list[str]) -> str:
@@ -59,6 +90,9 @@ def summarize(samples: list[str]) -> str:
     names = list(rounds[0])
     means = {n: sum(r.get(n, 0.0) for r in rounds) / len(rounds) for n in names}
     cell = f"{sum(totals) / len(totals):.3f}  [" + "  ".join(f"{n} {means[n]:.3f}" for n in names) + "]"
+    peaks = [float(m.group(1)) for m in (PEAK.search(sample) for sample in samples) if m]
+    if peaks:
+        cell += f"  peak {max(peaks):.0f} MiB"
     if len(samples) > 1:
         cell += "  rounds " + " ".join(f"{t:.3f}" for t in totals)
     return cell
@@ -85,7 +119,7 @@ def export(revs: list[str]) -> None:
     print(f"exported to {AB}: " + ", ".join(names) + '  (carry ".ab" to the device)')
 
 
-def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
+def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = "fwd") -> int:
     order = [line.split() for line in (AB / "order").read_text().splitlines() if line.strip()]
     if trees:
         wanted = trees.split(",")
@@ -127,26 +161,46 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1) -> int:
                 failed.append(f"{name}: build")
                 say(build.stdout[-3000:] + build.stderr[-3000:])
                 continue
-            check = subprocess.run(
-                [sys.executable, "tools/gdn_fwd_gpu_check.py", "--no-tests", "--shapes", shapes],
-                cwd=ROOT, capture_output=True, text=True, timeout=300,
-            )
-            for line in check.stdout.splitlines():
-                m = LINE.match(line.strip())
-                if m:
-                    say(line.strip())
-                    samples.setdefault((m.group(1), m.group(2), name), []).append(m.group(4))
+            if op == "fwd":
+                check = subprocess.run(
+                    [sys.executable, "tools/gdn_fwd_gpu_check.py", "--no-tests", "--shapes", shapes],
+                    cwd=ROOT, capture_output=True, text=True, timeout=300,
+                )
+                for line in check.stdout.splitlines():
+                    m = LINE.match(line.strip())
+                    if m:
+                        say(line.strip())
+                        samples.setdefault((m.group(1), m.group(2), name), []).append(m.group(4))
+            else:
+                report = AB / f"_{name}.json"
+                bench = subprocess.run(
+                    [sys.executable, "-m", "cake_ops.bench", "--arms", "cake", "--ops", "fwdbwd", "--shapes", shapes,
+                     "--kernels", "--groups", "3", "--calls", "5", "--json", str(report)],
+                    cwd=ROOT, capture_output=True, text=True, timeout=400,
+                )
+                if bench.returncode != 0 or not report.is_file():
+                    failed.append(f"{name}: bench")
+                    say(bench.stdout[-3000:] + bench.stderr[-3000:])
+                    continue
+                for shape, sample in bench_samples(json.loads(report.read_text())["results"]):
+                    say(f"{shape} fwdbwd [{sample}]")
+                    samples.setdefault((shape, "fwdbwd", name), []).append(sample)
             if tests and first:
-                found = [path for path in GDN_TESTS if (ROOT / path).is_file()]
+                if op == "fwd":
+                    found = [path for path in GDN_TESTS if (ROOT / path).is_file()][:1]
+                    wanted = " or ".join(GDN_TESTS)
+                else:
+                    found = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob(GDN_BWD_TESTS))
+                    wanted = GDN_BWD_TESTS
                 if not found:
-                    say(f"tests: the tree has none of {', '.join(GDN_TESTS)}")
+                    say(f"tests: the tree has none of {wanted}")
                     failed.append(f"{name}: tests")
                     continue
                 pytest = subprocess.run(
-                    [sys.executable, "-m", "pytest", "-q", "-x", found[0], "-p", "no:cacheprovider"],
+                    [sys.executable, "-m", "pytest", "-q", "-x", *found, "-p", "no:cacheprovider"],
                     cwd=ROOT, capture_output=True, text=True, timeout=400,
                 )
-                say(f"tests {found[0]}: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
+                say(f"tests {' '.join(found)}: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
                 if pytest.returncode != 0:
                     failed.append(f"{name}: tests")
     finally:
@@ -174,13 +228,16 @@ def main() -> int:
     rn.add_argument("--tests", action="store_true", help="also run each tree's own GPU GDN-forward tests (" + " or ".join(GDN_TESTS) + ")")
     rn.add_argument("--trees", help="comma list of exported tree names (default: all, in export order)")
     rn.add_argument("--rounds", type=int, default=1, help="time the trees this many times, in palindromic order")
+    rn.add_argument("--op", choices=("fwd", "fwdbwd"), default="fwd",
+                    help="fwd: the forward's kernels (tools/gdn_fwd_gpu_check.py); fwdbwd: one forward+backward "
+                    "(the tree's python -m cake_ops.bench), with the backward's tests")
     args = parser.parse_args()
     if args.cmd == "export":
         export(args.revs)
         return 0
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    return run(args.shapes, args.tests, args.trees, args.rounds)
+    return run(args.shapes, args.tests, args.trees, args.rounds, args.op)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ REVISIONS = {
                 "cake_ops/bench/__init__.py", "meta/__init__.py", "meta/gdn.py", "tests/conftest.py",
                 "tests/cuda/test_gdn_fwd_cuda.py"],
     "no_gdn_tests": ["csrc/gdn/fwd.cu", "cake_ops/build.py", "meta/__init__.py", "tests/conftest.py"],
+    "with_bwd": ["csrc/gdn/fwd.cu", "csrc/gdn/bwd_walk.cu", "cake_ops/build.py", "meta/__init__.py",
+                 "tests/conftest.py", "tests/cuda/test_gdn_bwd_cuda.py", "tests/cuda/test_gdn_bwd_walk_cuda.py"],
 }
 # The checkout's own, uncommitted tree, to be put back after a run.
 CHECKOUT = REVISIONS["folders"] + ["cake_ops/dispatch.py", "tests/op/test_ops.py"]
@@ -159,6 +161,51 @@ def test_a_tree_without_gdn_tests_fails_and_the_checkout_comes_back(ab, monkeypa
     ]
     out = capsys.readouterr().out
     assert "FAILED: no_gdn_tests: tests, folders: build" in out
+    assert _state(repo) == {f: "checkout" for f in CHECKOUT}
+
+
+def test_fwdbwd_times_by_the_trees_bench_and_runs_its_backward_tests(ab, monkeypatch, capsys):
+    """--op fwdbwd: the tree's own cake_ops.bench (cake arm, fwdbwd), its JSON's kernel
+    split and peak memory in the table; the tree's tests/cuda/test_gdn_bwd*.py, all of
+    them; a tree without them fails its tests."""
+    import json
+
+    module, repo = ab
+    module.export(["with_bwd", "no_gdn_tests"])
+    seen = []
+
+    def fake_run(cmd, cwd=None, capture_output=False, text=False, timeout=None, **kwargs):
+        tree = (repo / "cake_ops" / "build.py").read_text()
+        if "cake_ops.build" in cmd:
+            seen.append(("build", tree, None))
+        elif "cake_ops.bench" in cmd:
+            assert cmd[cmd.index("--ops") + 1] == "fwdbwd" and cmd[cmd.index("--arms") + 1] == "cake"
+            local = 2.0 if tree == "with_bwd" else 3.0
+            cells = [{"shape": "s32k_h16", "op": "fwdbwd", "arm": "cake", "error": None,
+                      "peak_mem_bytes": 3424 * 2**20,
+                      "kernels": {"cake::gdn_bwd_local_kernel": local,
+                                  "cake::gdn_fwd_walk_kernel<(cake::gdn_walk::WalkMode)0, 2>": 0.5,
+                                  "cake::gdn_fwd_walk_kernel<(cake::gdn_walk::WalkMode)2, 2>": 0.25}}]
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"results": cells}))
+            seen.append(("bench", tree, None))
+        else:
+            seen.append(("pytest", tree, [c for c in cmd if c.endswith(".py")]))
+            return subprocess.CompletedProcess(cmd, 0, stdout="9 passed", stderr="")
+        return subprocess.CompletedProcess(cmd, 0, stdout="built", stderr="")
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    assert module.run("s32k_h16", tests=True, trees=None, op="fwdbwd") == 1
+    assert seen == [
+        ("build", "with_bwd", None), ("bench", "with_bwd", None),
+        ("pytest", "with_bwd", ["tests/cuda/test_gdn_bwd_cuda.py", "tests/cuda/test_gdn_bwd_walk_cuda.py"]),
+        ("build", "no_gdn_tests", None), ("bench", "no_gdn_tests", None),
+    ]
+    out = capsys.readouterr().out
+    table = out.split("===== kernel ms per call")[1]
+    assert ("s32k_h16   fwdbwd with_bwd                 2.750  [gdn_bwd_local_kernel 2.000  "
+            "gdn_fwd_walk_kernel_mode_0_2 0.500  gdn_fwd_walk_kernel_mode_2_2 0.250]  peak 3424 MiB") in table
+    assert "s32k_h16   fwdbwd no_gdn_tests             3.750" in table
+    assert "FAILED: no_gdn_tests: tests" in out
     assert _state(repo) == {f: "checkout" for f in CHECKOUT}
 
 
