@@ -96,9 +96,13 @@ def gdn_fwd_full(
     """``cake::gdn_fwd`` of the full save mode: (o, final_state, tapes), tapes uint8
     [``gdn_saved_bytes``] on the CUDA path (the forward's tapes for ``cake::gdn_bwd``),
     empty on the PyTorch path. o and final_state are bitwise ``cake::gdn_fwd``'s."""
+    return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+
+
+def _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
     o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                       deterministic)
-    return o, final_state, q.new_empty(0, dtype=torch.uint8)
+    return o, final_state, q.new_empty(0, dtype=torch.uint8)  # no tapes: its backward recomputes
 
 
 @gdn_fwd_full.register_kernel("cuda")
@@ -106,9 +110,8 @@ def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_q
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
-        o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                          deterministic)
-        return o, final_state, q.new_empty(0, dtype=torch.uint8)
+        return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                     deterministic)
     from .. import build
 
     return build.load().gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
@@ -199,33 +202,18 @@ def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, u
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic = inputs
     # Light save mode: inputs only; the backward recomputes the chunk tensors and the walk.
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state)
+    # Full save mode (gdn_fwd_full, a third output): the forward's tapes too.
+    tapes = output[2] if len(output) == 3 else None
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, tapes)
+    if tapes is not None:
+        ctx.mark_non_differentiable(tapes)
+        # Autograd would otherwise fill a zero gradient of the tapes' size for the
+        # backward (0.48 ms at s32k_h16); an unused o or final state then arrives as None.
+        ctx.set_materialize_grads(False)
     ctx.args = (scale, use_qk_l2norm, deterministic)
 
 
-def _backward(ctx, do, dht):
-    q, k, v, g, beta, cu_seqlens, initial_state = ctx.saved_tensors
-    dq, dk, dv, dg, dbeta, dh0 = torch.ops.cake.gdn_bwd(
-        do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args
-    )
-    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
-
-
-gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _setup_context_full(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic = inputs
-    # Full save mode: the inputs and the forward's tapes.
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, output[2])
-    ctx.mark_non_differentiable(output[2])
-    # Autograd would otherwise fill a zero gradient of the tapes' size for the backward
-    # (0.48 ms at s32k_h16); an unused o or final state then arrives as None too.
-    ctx.set_materialize_grads(False)
-    ctx.args = (scale, use_qk_l2norm, deterministic)
-
-
-def _backward_full(ctx, do, dht, _dtapes):
+def _backward(ctx, do, dht, _dtapes=None):
     q, k, v, g, beta, cu_seqlens, initial_state, tapes = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
@@ -235,7 +223,8 @@ def _backward_full(ctx, do, dht, _dtapes):
     return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
 
 
-gdn_fwd_full.register_autograd(_backward_full, setup_context=_setup_context_full)
+gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
+gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 SAVE_MODES = ("light", "full")
 
