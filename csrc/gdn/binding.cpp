@@ -483,12 +483,48 @@ T* heads_on(T* p, int64_t heads, int64_t head_elems, int64_t elem_bytes) {
                       : reinterpret_cast<T*>(reinterpret_cast<Byte*>(p) + heads * head_elems * elem_bytes);
 }
 
+// A stream beside the call's for work independent of what the call's stream runs
+// meanwhile, ordered by events (which CUDA graph capture records as the graph's edges):
+// fork() makes the side stream wait for what the call's stream has launched so far,
+// join() the call's stream for what the side stream has. Work launched between fork and
+// join may read and write only what the call's stream does not touch meanwhile.
+class SideStream {
+ public:
+  SideStream(c10::DeviceIndex device, cudaStream_t main)
+      : main_(main), side_(c10::cuda::getStreamFromPool(/*isHighPriority=*/true, device).stream()) {
+    TORCH_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming) == cudaSuccess &&
+                    cudaEventCreateWithFlags(&join_, cudaEventDisableTiming) == cudaSuccess,
+                "gdn_bwd: cannot create the side stream's events");
+  }
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  ~SideStream() {
+    cudaEventDestroy(fork_);
+    cudaEventDestroy(join_);
+  }
+  cudaStream_t stream() const { return side_; }
+  void fork() { order(main_, side_, fork_); }
+  void join() { order(side_, main_, join_); }
+
+ private:
+  static void order(cudaStream_t from, cudaStream_t to, cudaEvent_t event) {
+    cudaError_t err = cudaEventRecord(event, from);
+    if (err == cudaSuccess) err = cudaStreamWaitEvent(to, event, 0);
+    TORCH_CHECK(err == cudaSuccess, "gdn_bwd: cannot order the side stream: ", cudaGetErrorString(err));
+  }
+  cudaStream_t main_, side_;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+};
+
 // The whole backward (docs/kernels.md, "Backward"): per head slice (the plan's; docs/kernels.md,
 // "Head slices"), the recompute of the forward's tapes with the forward's own plan
 // (gdn_bwd_tapes_launch), the reverse walk of the state gradient (the dS tape, dv_new,
 // dh0), then the chunk-local gradients; one workspace of one slice's size, which every
 // slice reuses in stream order. dv_new goes to dv's memory, which the chunk-local
-// gradients overwrite with dv.
+// gradients overwrite with dv. The reverse walk reads only the recompute's plan offsets, A
+// and gates, so it runs on a side stream beside the recompute's summaries, chain and tape
+// walk (its own cuts' pieces: plan.h, bwd_seg_*): the walks each leave SMs idle in their
+// last round and the summaries on their few slow heads, which the other fills.
 // Returns (dq, dk, dv, dg, dbeta, dh0) in the dtypes of (q, k, v, g, beta) and fp32 dh0
 // [N, HV, K, V]. do arrives as o's gradient (bf16 [T, HV, V]), dht as the final state's
 // (fp32 [N, HV, K, V]) or none. head_slices: -1 lets the plan choose, else a divisor of H
@@ -538,6 +574,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor dbeta = at::empty({s.T, s.HV}, q.options().dtype(beta.scalar_type()));
   at::Tensor dh0 = at::empty({s.N, s.HV, D, D}, q.options().dtype(at::kFloat));
   const int64_t beta_bytes = c.beta.element_size();
+  // Kept tapes: nothing to run beside the reverse walk.
+  std::optional<SideStream> side;
+  if (!tapes) side.emplace(q.device().index(), stream);
+  const bool inner = plan.inner_slots > 0;
 
   for (int slice = 0; slice < plan.head_slices; ++slice) {
     // The slice's first q/k head and value head; its tensors' pointers start there, with
@@ -552,7 +592,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     f.initial_state = heads_on(f.initial_state, hv0, D * D, 4);
     // Kept tapes: only the plan kernel's offsets (the backward's own plan: its cut grid
     // may differ from the forward's where the SM count does).
-    cudaError_t err = tapes ? gdn_fwd_plan_launch(f, stream) : gdn_bwd_tapes_launch(f, stream);
+    cudaError_t err = tapes ? gdn_fwd_plan_launch(f, stream) : gdn_bwd_tapes_prep_launch(f, stream);
     TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tapes): ", cudaGetErrorString(err));
 
     GdnBwdWalkArgs r{};
@@ -569,13 +609,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.dS = ws + plan.ws.dS_tape;
     r.dv_new = heads_on(dv.data_ptr(), hv0, D, 2);
     r.dh0 = heads_on(dh0.data_ptr<float>(), hv0, D * D, 4);
-    // The forward's cut grid; the cuts' workspaces are the forward's seg_ pieces, free once
-    // the tape walk has run (bwd_walk.h).
+    // The forward's cut grid; the cuts' workspaces are the backward's own beside the
+    // recompute, else the forward's seg_ pieces (bwd_walk.h).
     r.seg_offsets = f.seg_offsets;
     r.chunk_decay = f.chunk_decay;
-    r.seg_grad = f.seg_state;
-    r.seg_transfer = f.seg_transfer;
-    r.seg_exact = f.seg_exact;
+    r.seg_grad = !inner ? nullptr : side ? reinterpret_cast<float*>(ws + plan.ws.bwd_seg_grad) : f.seg_state;
+    r.seg_transfer = !inner ? nullptr : side ? reinterpret_cast<float*>(ws + plan.ws.bwd_seg_transfer) : f.seg_transfer;
+    r.seg_exact = !inner ? nullptr : side ? reinterpret_cast<int32_t*>(ws + plan.ws.bwd_seg_exact) : f.seg_exact;
     r.seg_chunks = f.seg_chunks;
     r.seg_long_max = f.seg_long_max;
     r.inner_slots = plan.inner_slots;
@@ -587,8 +627,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.H_stride = f.H_stride;
     r.HV_stride = f.HV_stride;
     r.scale = static_cast<float>(scale);
-    err = gdn_bwd_walk_launch(r, stream);
-    TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
+    if (side) {
+      side->fork();
+      err = gdn_bwd_walk_launch(r, side->stream());
+      TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
+      err = gdn_bwd_tapes_walk_launch(f, stream);
+      TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tape walk): ", cudaGetErrorString(err));
+      side->join();
+    } else {
+      err = gdn_bwd_walk_launch(r, stream);
+      TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
+    }
 
     GdnBwdLocalArgs l{};
     l.q = f.q;

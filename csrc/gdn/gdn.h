@@ -166,8 +166,13 @@ cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
 // same instructions). args: a backward plan applied (gdn_bwd_make_plan, plan.h); o and
 // final_state are not read or written. Writes, per used chunk slot (< chunk_offsets[N])
 // and value head, every element of h_tape, v_new_tape, a, a_unit, gcum (and qk_lrn with
-// use_qk_l2norm); later slots are left unwritten.
+// use_qk_l2norm); later slots are left unwritten. In two parts, for a backward that runs
+// the reverse walk beside the second (it needs the first's plan offsets, A and gates
+// only): gdn_bwd_tapes_prep_launch (plan, prep), gdn_bwd_tapes_walk_launch (summaries,
+// chain, tape walk).
 cudaError_t gdn_bwd_tapes_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_bwd_tapes_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
+cudaError_t gdn_bwd_tapes_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
 // The stages (also usable alone, e.g. by a backward that recomputes the forward).
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& args, cudaStream_t stream);

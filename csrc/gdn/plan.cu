@@ -266,8 +266,13 @@ GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_
   p.head_slices = slices;
   p.backward = true;
   constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2;
+  constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
+  const int64_t beside = kept_tapes ? 0 : p.inner_slots * p.HV;  // cuts of a reverse walk run beside the recompute
   Carve c{p.ws.bytes};
   p.ws.dS_tape = c.take(p.chunk_slots * p.HV * kStateTile);
+  p.ws.bwd_seg_grad = c.take(beside * kMatBytes);
+  p.ws.bwd_seg_transfer = c.take(beside * kMatBytes);
+  p.ws.bwd_seg_exact = c.take(beside * 4);
   p.ws.bytes = c.bytes;
   return p;
 }

@@ -80,12 +80,17 @@ GdnChunkLayout gdn_chunk_layout(int64_t T, int64_t N, int64_t H, int64_t HV, boo
 // kernel's offsets, the cuts' pieces, the per-chunk block (unless it lives apart:
 // GdnPlan::chunks_apart) and, in a backward plan, the reverse walk's dS_tape [NC, HV,
 // 128, 128] bf16 (gdn/bwd_walk.h; its dv_new goes to dv's memory, which the chunk-local
-// gradients overwrite), so one buffer serves the whole backward.
+// gradients overwrite), so one buffer serves the whole backward. A backward that
+// recomputes its tapes runs the reverse walk beside the recompute's summaries, chain and
+// tape walk (binding.cpp gdn_bwd), so its cuts have pieces of their own, shaped as the
+// forward's: bwd_seg_grad, bwd_seg_transfer [NI, HV, 128, 128] fp32, bwd_seg_exact
+// [NI, HV] int32 (with kept tapes nothing runs beside it: it takes the forward's).
 struct GdnWorkspaceLayout {
   int64_t chunk_offsets, seg_offsets, seg_state, seg_transfer, seg_exact, chain_docs, walk_queue;
   int64_t chunks;   // the per-chunk block (0 bytes when apart)
   GdnChunkLayout chunk;
   int64_t dS_tape;  // the backward's
+  int64_t bwd_seg_grad, bwd_seg_transfer, bwd_seg_exact;
   int64_t bytes;    // the buffer's size
 };
 
