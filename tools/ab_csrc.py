@@ -57,12 +57,16 @@ GDN_BWD_TESTS = "tests/cuda/test_gdn_bwd*.py"
 LINE = re.compile(r"^(\S+)\s+(det|nd)\s+kernels\s+([\d.]+) ms/call.*\[(.*)\]")
 KERNEL = re.compile(r"F\d+ (\w+) ([\d.]+)")
 PEAK = re.compile(r"peak ([\d.]+)")
+BUSY = re.compile(r"busy ([\d.]+)")
+STREAM = re.compile(r"stream ([\d.]+)")
 
 
 def bench_samples(results: list[dict]) -> list[tuple[str, str]]:
     """(shape, sample) per cake fwdbwd cell of a bench JSON's results, the sample in the
     forward timer's bracket form ("F0 <kernel> <ms>  F1 ...", kernels by time, names
-    shortened to a word), then "peak <MiB>" (the cell's peak memory)."""
+    shortened to a word), then "busy <ms>" and "stream <ms>" (the cell's kernel_ms and
+    stream_ms: with kernels on two streams the per-kernel times add up to more than the
+    device is busy) and "peak <MiB>" (the cell's peak memory)."""
     out = []
     for cell in results:
         if cell.get("arm") != "cake" or cell.get("error") or not cell.get("kernels"):
@@ -75,6 +79,9 @@ def bench_samples(results: list[dict]) -> list[tuple[str, str]]:
                 word += "_"
             words.add(word)
             parts.append(f"F{len(parts)} {word} {ms:.3f}")
+        for key, label in (("kernel_ms", "busy"), ("stream_ms", "stream")):
+            if isinstance(cell.get(key), (int, float)):
+                parts.append(f"{label} {cell[key]:.3f}")
         if cell.get("peak_mem_bytes") is not None:
             parts.append(f"peak {cell['peak_mem_bytes'] / 2**20:.1f}")
         out.append((cell["shape"], "  ".join(parts)))
@@ -90,6 +97,10 @@ def summarize(samples: list[str]) -> str:
     names = list(rounds[0])
     means = {n: sum(r.get(n, 0.0) for r in rounds) / len(rounds) for n in names}
     cell = f"{sum(totals) / len(totals):.3f}  [" + "  ".join(f"{n} {means[n]:.3f}" for n in names) + "]"
+    for label, pattern in (("busy", BUSY), ("stream", STREAM)):
+        values = [float(m.group(1)) for m in (pattern.search(sample) for sample in samples) if m]
+        if values:
+            cell += f"  {label} {sum(values) / len(values):.3f}"
     peaks = [float(m.group(1)) for m in (PEAK.search(sample) for sample in samples) if m]
     if peaks:
         cell += f"  peak {max(peaks):.0f} MiB"
@@ -208,7 +219,8 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
             shutil.rmtree(ROOT / part, ignore_errors=True)
             shutil.copytree(saved / part, ROOT / part)
         shutil.rmtree(saved)
-    say("===== kernel ms per call (each tree: total  [per kernel]" + ("  rounds" if rounds > 1 else "") + ")")
+    say("===== kernel ms per call (each tree: the kernels' sum  [per kernel]  (fwdbwd) busy and stream ms"
+        + ("  rounds" if rounds > 1 else "") + ")")
     for shape, plan in sorted({(s, p) for s, p, _ in samples}):
         for name, _ in order:
             if (shape, plan, name) in samples:

@@ -1,7 +1,8 @@
 """The benchmark's timing protocol (docs/benchmark.md, Timings and Protocol).
 
-- Timings per cell: ``kernel_ms`` (profiler/CUPTI: device time of every kernel,
-  memcpy and memset per call), ``stream_ms`` (median CUDA-event time of calls issued
+- Timings per cell: ``kernel_ms`` (profiler/CUPTI: the time the device runs at least
+  one kernel, memcpy or memset of the call, per call: kernels on two streams that
+  overlap count once), ``stream_ms`` (median CUDA-event time of calls issued
   back to back, no host sync between them), ``sync_ms`` (median CUDA-event time with
   a 256 MiB L2 flush and a synchronize before every call). Without CUDA the three
   timings are host wall-clock per call (no profiler, no flush).
@@ -113,6 +114,18 @@ def kernel_split(launches: Sequence[tuple[str, float]], n: int) -> dict[str, flo
     return out
 
 
+def busy_us(spans: Sequence[tuple[float, float]]) -> float:
+    """The length of the union of the (start, end) intervals (us, sorted by start): the
+    time the device runs at least one of them. Kernels of one stream never overlap, so
+    there it is their sum; kernels an arm runs on two streams at once count once."""
+    total, end = 0.0, -math.inf
+    for a, b in spans:
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 def median_split(samples: list[dict[str, float]]) -> dict[str, float]:
     """Per kernel, the median over samples of its ms per call (0 where a sample lacks it);
     the largest first."""
@@ -171,7 +184,7 @@ class Timer:
             for _ in range(n):
                 step()
             self.sync()
-        total_us, pads_seen, launches = 0.0, 0, []
+        pads_seen, launches, spans = 0, [], []
         self.last_kernels = {}
         for e in sorted(prof.events(), key=lambda e: e.time_range.start):
             if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
@@ -182,13 +195,13 @@ class Timer:
             dur = e.time_range.elapsed_us()
             if not 0 <= dur < 600e6:  # a corrupted timestamp
                 return [math.nan]
-            total_us += dur
             launches.append((e.name, dur))
+            spans.append((e.time_range.start, e.time_range.end))
         if pads_seen == 0 or not launches:
             print(f"  warning: profiler session kept {pads_seen}/{pads} pads and {len(launches)} kernels; sample dropped", flush=True)
             return [math.nan]
         self.last_kernels = kernel_split(launches, n)
-        return [total_us / 1e3 / n]
+        return [busy_us(spans) / 1e3 / n]
 
     def stream_ms(self, step, n: int) -> list[float]:
         """Per call: CUDA-event time of calls issued back to back, one sync at the end."""

@@ -15,7 +15,15 @@ from cake_ops.bench.accuracy import GRAD_NAMES
 from cake_ops.bench.arms import ARMS, FRESH_CU_SEQLENS, OPS, Arm, make_step
 from cake_ops.bench.report import format_kernels, format_table, sanitize
 from cake_ops.bench.shapes import QUICK_SHAPES, SHAPES, chunks_per_head, fwd_flop_per_head_chunk, gdn_flop
-from cake_ops.bench.timing import drift, is_unstable, kernel_split, median_split, palindrome, short_kernel_name
+from cake_ops.bench.timing import (
+    busy_us,
+    drift,
+    is_unstable,
+    kernel_split,
+    median_split,
+    palindrome,
+    short_kernel_name,
+)
 
 
 def test_chunks_per_head():
@@ -125,6 +133,14 @@ def test_kernel_split_tells_repeated_names_apart_by_rank():
     # Medians per kernel over samples; a kernel missing from a sample counts 0 there.
     med = median_split([{"a": 1.0, "b": 3.0}, {"a": 2.0, "b": 5.0}, {"a": 9.0}])
     assert list(med) == ["b", "a"] and med == {"b": 3.0, "a": 2.0}
+
+
+def test_busy_time_counts_overlapping_kernels_once():
+    # One stream: kernels back to back (and a gap) add up.
+    assert busy_us([(0.0, 2.0), (2.0, 5.0), (7.0, 8.0)]) == 6.0
+    # Two streams: a kernel inside another, one overlapping its end, one after a gap.
+    assert busy_us([(0.0, 10.0), (1.0, 4.0), (8.0, 12.0), (20.0, 21.0)]) == 13.0
+    assert busy_us([]) == 0.0
 
 
 def test_kernel_table_lists_each_rows_stages():
