@@ -40,8 +40,10 @@
 //   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dPs / dkk (8 KB, in turn),
 //   dA / A^T dA (fp32, 18 KB, in turn) and row vectors. The next value head's tiles but A
 //   (128 KB) and its gates are requested as soon as the current head's first phases have
-//   read them, its A once phase 2 has read the current one: under the rest of the work
-//   (on the last head: the raw q, k rows for the norm's backward).
+//   read them, its A once the current head's dv is stored: into where the current dw was
+//   (A and dw trade places from head to head), so it lands under the second half of
+//   phase 2 while that still reads the current A (on the last head: the raw q, k rows for
+//   the norm's backward).
 // - Exponents are differences of chunk-local cumsums, selected to 0 above the diagonal
 //   (no inf, no NaN); row sums go through fixed shuffle trees and per-warp slots summed in
 //   a fixed order: the same bits run to run, and a document's bits do not depend on its
@@ -75,9 +77,12 @@ constexpr int kV = kVn + kRowTile;
 constexpr int kDvn = kV + kRowTile;
 constexpr int kHT = kDvn + kRowTile;  // S^T 128 x 128
 constexpr int kDS = kHT + D * D * 2;  // dS^T 128 x 128
-constexpr int kA = kDS + D * D * 2;   // A 64 x 64
-constexpr int kDw = kA + C * C * 2;  // dw; then dv staging
-constexpr int kDPs = kDw + kRowTile;  // dPs, then dkk (64 x 64 bf16)
+// A (64 x 64) and dw (then dv staging) share 24 KB, placed by the value head's parity j & 1
+// (a_at, dw_at below), so that the next head's A lands where the current head's dw was
+// while phase 2 still reads the current A.
+constexpr int kATile = C * C * 2;
+constexpr int kADw = kDS + D * D * 2;
+constexpr int kDPs = kADw + kATile + kRowTile;  // dPs, then dkk (64 x 64 bf16)
 constexpr int kFLd = 72;              // fp32 row stride of dA / A^T dA (conflict-free TF32 fragments)
 constexpr int kDA = kDPs + C * C * 2;
 constexpr int kVec = kDA + C * kFLd * 4;
@@ -104,9 +109,13 @@ constexpr int kVecFloats = kVGamma + 8;
 constexpr int kSmemBytes = kVec + kVecFloats * 4;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA an SM");
 static_assert(kK % 1024 == 0 && kDo % 1024 == 0 && kVn % 1024 == 0 && kV % 1024 == 0 && kDvn % 1024 == 0 &&
-                  kHT % 1024 == 0 && kDS % 1024 == 0 && kA % 1024 == 0 && kDw % 1024 == 0 && kDPs % 1024 == 0,
+                  kHT % 1024 == 0 && kDS % 1024 == 0 && kADw % 1024 == 0 && kATile % 1024 == 0 && kDPs % 1024 == 0,
               "SW128 tiles start 1024-byte aligned");
 static_assert(kDA % 16 == 0 && kVec % 16 == 0, "aligned regions");
+
+// Head j's A and dw: even heads A, then dw; odd heads dw, then A (the last 8 KB).
+__device__ __forceinline__ int a_at(int j) { return kADw + (j & 1) * 2 * kATile; }
+__device__ __forceinline__ int dw_at(int j) { return kADw + (~j & 1) * kATile; }
 
 __device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_t i) {
   if (dtype == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(beta)[i]);
@@ -327,9 +336,9 @@ __device__ __forceinline__ void load_head(const GdnBwdLocalArgs& p, unsigned cha
   load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + (t0 * p.HV_stride + hv) * D, p.HV_stride * D, len);
 }
 
-// Its A, requested once the previous head's phase 2 has read that head's.
-__device__ __forceinline__ void load_a(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv) {
-  load_tile<8, C>(smem + kA, static_cast<const __nv_bfloat16*>(p.a) + (slot * p.HV + hv) * C * C, C, C);
+// Head j's A (at a_at(j)), requested once the previous head's dv staging has been stored.
+__device__ __forceinline__ void load_a(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv, int j) {
+  load_tile<8, C>(smem + a_at(j), static_cast<const __nv_bfloat16*>(p.a) + (slot * p.HV + hv) * C * C, C, C);
 }
 
 // Token i's gate inputs of a value head, read from global memory a head ahead (by the
@@ -376,8 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
   const uint32_t sQ = mma::smem_addr(smem + kQ), sK = mma::smem_addr(smem + kK), sDo = mma::smem_addr(smem + kDo),
                  sVn = mma::smem_addr(smem + kVn), sV = mma::smem_addr(smem + kV),
                  sDvn = mma::smem_addr(smem + kDvn), sHT = mma::smem_addr(smem + kHT),
-                 sDS = mma::smem_addr(smem + kDS), sA = mma::smem_addr(smem + kA), sDw = mma::smem_addr(smem + kDw),
-                 sDPs = mma::smem_addr(smem + kDPs);
+                 sDS = mma::smem_addr(smem + kDS), sBase = mma::smem_addr(smem), sDPs = mma::smem_addr(smem + kDPs);
   // Step-0 operand descriptors (wgmma_sm90.cuh): a K-major 64-row tile from a row (M or
   // N); an MN-major right operand of `rows` K-rows, this warpgroup's column block (its 64
   // columns); a 64 x 64 left operand read MN-major (transposed). Formed at each product
@@ -396,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
   load_tile<16, C>(smem + kQ, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
   load_tile<16, C>(smem + kK, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
   load_head(p, smem, slot, hv_first, t0, len);
-  load_a(p, smem, slot, hv_first);
+  load_a(p, smem, slot, hv_first, 0);
   mma::cp_async_commit();
   TokenGates gates{};
   if (tid < C) gates = load_gates(p, slot, hv_first, t0, len, tid);
@@ -407,6 +415,8 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 
   for (int j = 0; j < G; ++j) {
     const int64_t hv = hv_first + j;
+    const int oA = a_at(j), oDw = dw_at(j);
+    const uint32_t sA = sBase + oA, sDw = sBase + oDw;
     if (tid < C) {  // this head's row vectors
       const int i = tid;
       vec[kVGl2 + i] = gates.gcum * mma::kLog2e;
@@ -480,7 +490,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
         for (int v = 0; v < 2; ++v) dw[nt][v] = mma::pack_bf16(-g2[nt][2 * v], -g2[nt][2 * v + 1]);
-      st_frag(smem + kDw, m0, n0, dw);
+      st_frag(smem + oDw, m0, n0, dw);
     }
     float dpm[4][4], qk[4][4];  // dP = do v_new^T; q k^T, formed again per head (cheaper than
                                 // 16 registers held throughout)
@@ -619,7 +629,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) dv[nt][v] = mma::pack_bf16(b * dxu[nt][2 * v], b * dxu[nt][2 * v + 1]);
       }
-      st_frag(smem + kDw, m0, n0, dv);
+      st_frag(smem + oDw, m0, n0, dv);
     }
 
     if (j + 1 < G) {
@@ -640,7 +650,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     {
       float x[4][4];  // X = A^T dA: X_ij = sum_{m >= i} A_mi dA_mj, rows m0.., columns j0..
       zero(x);
-      const unsigned char* tA = smem + kA;
+      const unsigned char* tA = smem + oA;
 #pragma unroll 2
       for (int mm = m0; mm < C; mm += 8) {
         const uint32_t a[4] = {ld_bf16_bits<C>(tA, mm + t4, m0 + gid), ld_bf16_bits<C>(tA, mm + t4, m0 + gid + 8),
@@ -652,19 +662,23 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         }
       }
       __syncthreads();  // dA read by every warp; dv staged
-      store_tile(smem + kDw, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV_row + hv) * D, HV_row * D, len);
+      store_tile(smem + oDw, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV_row + hv) * D, HV_row * D, len);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
 #pragma unroll
         for (int v = 0; v < 2; ++v)
           *reinterpret_cast<float2*>(fA + (m0 + gid + 8 * v) * kFLd + j0 + 8 * nt + 2 * t4) =
               make_float2(round_tf32(x[nt][2 * v]), round_tf32(x[nt][2 * v + 1]));
-      __syncthreads();  // X complete (rounded to TF32, the next product's operand)
+      __syncthreads();  // X complete (rounded to TF32, the next product's operand); dv stored
+    }
+    if (j + 1 < G) {  // the next head's A, where this head's dw was
+      load_a(p, smem, slot, hv + 1, j + 1);
+      mma::cp_async_commit();
     }
     {  // Y = X A^T (Y_ij = sum_{m <= j} X_im A_jm), wanted for i > j only: m < min(j, i) + 1
       float y[4][4];
       zero(y);
-      const unsigned char* tA = smem + kA;
+      const unsigned char* tA = smem + oA;
       const int m_end = j0 < m0 + 16 ? min(j0 + 32, m0 + 16) : 0;
 #pragma unroll 2
       for (int mm = 0; mm < m_end; mm += 8) {
@@ -712,11 +726,7 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       store_col_sums<4>(cs, vec + kVColL + C * rb, j0, lane);
     }
     wgmma::fence_proxy_async();
-    __syncthreads();  // dkk and every row / column sum complete; A read
-    if (j + 1 < G) {
-      load_a(p, smem, slot, hv + 1);
-      mma::cp_async_commit();
-    }
+    __syncthreads();  // dkk and every row / column sum complete
 
     // dk += dkk k + dkk^T k, under warp 0's per-token sums.
     wg_issue<4, 0, 1>(dk, kmaj(sDPs, 0), mn_b(sK, C), false);
