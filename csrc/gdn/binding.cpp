@@ -531,12 +531,17 @@ class SideStream {
 // (the bits do not depend on it). tapes: the full save mode's per-chunk block from
 // gdn_fwd_full for the same arguments, or none: with it the backward recomputes nothing
 // but the plan's offsets (one slice), and its gradients are bitwise those without it.
+// reverse_walk: the reverse walk's tape walk on 0, its mma.sync kernel (the default), or
+// 1, the forward walk's CTA in reverse mode (wgmma; bwd_walk.h), for tests and tuning.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd(
     const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, bool deterministic,
-    int64_t segment_chunks, int64_t value_splits, int64_t head_slices, const std::optional<at::Tensor>& tapes) {
+    int64_t segment_chunks, int64_t value_splits, int64_t head_slices, const std::optional<at::Tensor>& tapes,
+    int64_t reverse_walk) {
   constexpr const char* op = "gdn_bwd";
+  TORCH_CHECK(reverse_walk == 0 || reverse_walk == 1, op, ": reverse_walk must be 0 (mma.sync) or 1 (wgmma), got ",
+              reverse_walk);
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
   TORCH_CHECK(dout.sizes() == at::IntArrayRef({s.T, s.HV, D}), op, ": do must be [T, HV, V] = [", s.T, ", ", s.HV,
@@ -627,6 +632,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.H_stride = f.H_stride;
     r.HV_stride = f.HV_stride;
     r.scale = static_cast<float>(scale);
+    r.wgmma_walk = reverse_walk == 1;
+    r.value_splits = f.walk_splits;
     if (side) {
       side->fork();
       err = gdn_bwd_walk_launch(r, side->stream());
@@ -704,7 +711,7 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1, int head_slices=-1, Tensor? tapes=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
+      "int value_splits=-1, int head_slices=-1, Tensor? tapes=None, int reverse_walk=0) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
       "Tensor dbeta, Tensor dh0)");
   m.def(
       "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "

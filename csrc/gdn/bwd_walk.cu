@@ -560,6 +560,7 @@ cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
         p);
     gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kChainTiles), kD, 0, stream>>>(p);
   }
+  if (p.wgmma_walk) return gdn_bwd_reverse_walk_launch(p, stream);
   const int64_t segments = p.seg_offsets != nullptr ? p.segment_slots : p.N;
   gdn_bwd_walk_kernel<<<static_cast<unsigned>(segments * p.HV), kThreads, kSmemBytes, stream>>>(p);
   return cudaGetLastError();

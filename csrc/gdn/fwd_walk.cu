@@ -7,6 +7,9 @@
 //            (no q, P~ or O; no final state; fwd_walk_tapes.cuh);
 //   output and tape: both at once, the forward of the full save mode (its tapes are
 //            bitwise tape mode's: the same chain instructions, the same fragments);
+//   reverse: the backward's reverse walk of the state gradient (gdn/bwd_walk.h) on this
+//            CTA, from each segment's last chunk to its first: the dS tape and dv_new
+//            (fwd_walk_reverse.cuh), launched by gdn_bwd_reverse_walk_launch;
 //   summary: the walk of one segment without output, from zero (E_s; segment 0 from the
 //            initial state) or from the identity with v = 0 (M_s), written to the
 //            segment workspaces for the chain (fwd_chain.cu); at a truncated cut
@@ -17,6 +20,7 @@
 //   fwd_walk_scheduler.cuh  which walk a CTA runs: find_walk, truncation_start, the queue
 //   fwd_walk_loads.cuh      the aux warpgroup: TMA loads, ragged-row zeroing, P~, gate vectors
 //   fwd_walk_state.cuh      the state warpgroups: the chain S -> U -> X -> S, O^T
+//   fwd_walk_reverse.cuh    the reverse walk's state warpgroups: dS -> dv_new -> X -> dS
 //   fwd_walk_output.cuh     the o epilogue
 //   fwd_walk_tapes.cuh      the h and v_new epilogues of tape mode
 //
@@ -68,7 +72,9 @@
 #include "common/wgmma_sm90.cuh"
 #include "gdn/chunks.cuh"
 #include "gdn/fwd_walk_layout.cuh"
+#include "gdn/bwd_walk.h"
 #include "gdn/fwd_walk_loads.cuh"
+#include "gdn/fwd_walk_reverse.cuh"
 #include "gdn/fwd_walk_scheduler.cuh"
 #include "gdn/fwd_walk_state.cuh"
 #include "gdn/gdn.h"
@@ -100,8 +106,13 @@ __global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1)
                                       w.seg_end, w.nch, w.first_slot, true, w.half, false);
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
-      state_warpgroup<kMode, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half, w.hv,
-                                        w.seg_start, w.doc_end, w.nch, w.S0, false, w.S_end, w.first_slot, tapes);
+      if constexpr (kMode == WalkMode::kReverse)
+        reverse_state_warpgroup<kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half,
+                                           w.hv, w.seg_start, w.doc_end, w.nch, w.S0, w.S_end, w.first_slot, tapes);
+      else
+        state_warpgroup<kMode, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half,
+                                          w.hv, w.seg_start, w.doc_end, w.nch, w.S0, false, w.S_end, w.first_slot,
+                                          tapes);
     }
   } else {
     __shared__ int32_t taken;  // the walk thread 0 took from the queue
@@ -178,7 +189,8 @@ cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t st
   err = encode_walk_maps(p, maps);
   if (err != cudaSuccess) return err;
   const GdnFwdCoreArgs& core = p;
-  const WalkTapes tapes = walks_tapes(kMode) ? WalkTapes{p.h_tape, p.v_new_tape} : WalkTapes{};
+  const WalkTapes tapes = walks_tapes(kMode) || kMode == WalkMode::kReverse ? WalkTapes{p.h_tape, p.v_new_tape}
+                                                                            : WalkTapes{};
   kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kWalkSmemBytes<kMode>, stream>>>(core, maps, tapes);
   return cudaGetLastError();
 }
@@ -203,6 +215,43 @@ cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 
 cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   return p.seg_chunks > 0 ? launch_walk<WalkMode::kSummary>(p, stream) : cudaSuccess;
+}
+
+// The reverse walk's segment walks (bwd_walk.h) as a walk of this kernel: the walk's
+// fields carry the reverse walk's tensors, v = do, o = dv_new, h_tape = the dS tape,
+// initial_state = dht (the last segment's start), seg_state = the chained end gradients
+// of the cuts, final_state = dh0 (the first segment's end).
+cudaError_t gdn_bwd_reverse_walk_launch(const GdnBwdWalkArgs& r, cudaStream_t stream) {
+  if (r.N <= 0 || r.HV <= 0) return cudaSuccess;
+  if (r.seg_offsets == nullptr || (r.value_splits != 1 && r.value_splits != 2)) return cudaErrorInvalidValue;
+  GdnFwdArgs p{};
+  p.q = r.q;
+  p.k = r.k;
+  p.v = r.dout;
+  p.a = const_cast<void*>(r.a);
+  p.gcum = const_cast<float*>(r.gcum);
+  p.qk_lrn = const_cast<float*>(r.qk_lrn);
+  p.chunk_offsets = const_cast<int32_t*>(r.chunk_offsets);
+  p.seg_offsets = const_cast<int32_t*>(r.seg_offsets);
+  p.cu_seqlens = r.cu_seqlens;
+  p.cu_int64 = r.cu_int64;
+  p.initial_state = r.dht;
+  p.final_state = r.dh0;
+  p.seg_state = r.seg_grad;
+  p.o = r.dv_new;
+  p.h_tape = r.dS;
+  p.T = r.T;
+  p.N = r.N;
+  p.H = r.H;
+  p.HV = r.HV;
+  p.H_stride = r.H_stride;
+  p.HV_stride = r.HV_stride;
+  p.seg_chunks = r.seg_chunks;
+  p.seg_long_max = r.seg_long_max;
+  p.walk_splits = p.summary_splits = r.value_splits;
+  p.scale = r.scale;
+  p.use_qk_l2norm = r.qk_lrn != nullptr;
+  return launch_walk<WalkMode::kReverse>(p, stream);
 }
 
 cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {

@@ -29,10 +29,17 @@ namespace cake::gdn_walk {
 //   kSummary  E_s (from zero, or the initial state) or M_s (from the identity, v = 0);
 //   kTape     the backward's tapes, from the segment's start state as kOutput: h (S^T at
 //             each chunk's start, bf16) and v_new (bf16); no q, P~, o or final state;
-//   kOutputTape  kOutput and the tapes of kTape in one walk (the full save mode's forward).
-enum class WalkMode { kOutput, kSummary, kTape, kOutputTape };
+//   kOutputTape  kOutput and the tapes of kTape in one walk (the full save mode's forward);
+//   kReverse  the backward's reverse walk of the state gradient dS (gdn/bwd_walk.h), from
+//             the segment's last chunk to its first (fwd_walk_reverse.cuh): do loaded in
+//             place of v; per chunk the dS tape (staged as kOutputTape stages h) and dv_new
+//             (in o's place and layout); the walk's start state is dS at the segment's end,
+//             its end state dh0 at a document's first segment.
+enum class WalkMode { kOutput, kSummary, kTape, kOutputTape, kReverse };
 __host__ __device__ constexpr bool walks_output(WalkMode m) { return m == WalkMode::kOutput || m == WalkMode::kOutputTape; }
 __host__ __device__ constexpr bool walks_tapes(WalkMode m) { return m == WalkMode::kTape || m == WalkMode::kOutputTape; }
+// The modes that load q and form P~ (the aux warpgroup's work beyond the gates).
+__host__ __device__ constexpr bool walks_p(WalkMode m) { return walks_output(m) || m == WalkMode::kReverse; }
 
 // kStateWgs state warpgroups (2: both halves of the value columns; 1: the CTA's half),
 // then the aux warpgroup.
@@ -73,11 +80,12 @@ constexpr int kGLogRk = 320;   // log2(1 / |k_j|)
 constexpr int kGGamma = 384;   // e^gl
 constexpr int kStageBytes = kGOff + 2048;  // padded: every tile stays 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
-// kOutputTape stages h in 16 KB after the ring (8 warps x 2 KB): the Q tiles, where kTape
-// stages it, are loaded in that mode.
+// kOutputTape stages h, and kReverse the dS tape, in 16 KB after the ring (8 warps x 2 KB):
+// the Q tiles, where kTape stages h, are loaded in those modes.
 constexpr int kHStageOff = kStages * kStageBytes;
 template <WalkMode kMode>
-constexpr int kWalkSmemBytes = kSmemBytes + (kMode == WalkMode::kOutputTape ? 8 * 2048 : 0);
+constexpr int kWalkSmemBytes =
+    kSmemBytes + (kMode == WalkMode::kOutputTape || kMode == WalkMode::kReverse ? 8 * 2048 : 0);
 static_assert(kWalkSmemBytes<WalkMode::kOutputTape> <= 227 * 1024, "shared memory of one CTA an SM");
 
 // Named barriers (mma::bar_sync / bar_arrive; 0 is __syncthreads).

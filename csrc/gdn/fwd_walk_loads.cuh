@@ -41,12 +41,15 @@ namespace cake::gdn_walk {
 // Tokens seg_start .. seg_end - 1 (nch chunks from chunk slot first_slot); with_v = false
 // leaves the V tiles zero instead. A split CTA (kStateWgs = 1) loads only the value
 // columns of its half vh. load_bar: the stages' load barriers (8 bytes each).
-// kTape loads as kSummary does (no q, no P~); kOutputTape as kOutput.
+// kTape loads as kSummary does (no q, no P~); kOutputTape as kOutput; kReverse as kOutput
+// with do in v's place (maps.v), the chunks from the segment's last to its first.
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const WalkMaps& maps, unsigned char* smem,
                                               uint32_t load_bar, int hv, int h, int64_t seg_start, int64_t seg_end,
                                               int nch, int64_t first_slot, bool with_v, int vh, bool reinit) {
-  constexpr bool kOutput = walks_output(kMode);  // q and P~ are loaded and formed for o only
+  constexpr bool kOutput = walks_p(kMode);  // q and P~ are loaded and formed (o, or the reverse walk's dv_new)
+  // Step c of the walk is chunk chunk_of(c) of the segment.
+  const auto chunk_of = [nch](int c) { return kMode == WalkMode::kReverse ? nch - 1 - c : c; };
   constexpr int kThreads = kWalkThreads<kStateWgs>;
   const int tid = threadIdx.x - 128 * kStateWgs, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
@@ -68,8 +71,9 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const Wal
     if (c >= kStages) mma::bar_sync(kBarEmpty + stage, kThreads);  // the state warpgroups are done with c - 3
     if (tid != 0) return;
     const uint32_t st = mma::smem_addr(smem + stage * kStageBytes), bar = load_bar + 8 * stage;
-    const int row = static_cast<int>(seg_start) + c * kGdnChunk;  // T < 2^31 (gdn/binding.cpp)
-    const int slot_head = static_cast<int>((first_slot + c) * p.HV + hv);  // NC * HV < 2^31 (gdn/binding.cpp)
+    const int ch = chunk_of(c);
+    const int row = static_cast<int>(seg_start) + ch * kGdnChunk;  // T < 2^31 (gdn/binding.cpp)
+    const int slot_head = static_cast<int>((first_slot + ch) * p.HV + hv);  // NC * HV < 2^31 (gdn/binding.cpp)
     tma::mbar_arrive_expect_tx(bar, load_bytes);
 #pragma unroll
     for (int blk = 0; blk < 2; ++blk) {
@@ -80,7 +84,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const Wal
     tma::load_box_3d(st + kAOff, &maps.a, 0, 0, slot_head, bar);
     tma::load_bytes(st + kGOff, p.gcum + static_cast<int64_t>(slot_head) * 64, 64 * 4, bar);
     if (p.use_qk_l2norm)  // the log2 inverse norms of the q and k rows, contiguous as the stage keeps them
-      tma::load_bytes(st + kGOff + kGLogRq * 4, p.qk_lrn + ((first_slot + c) * p.H + h) * 128, 128 * 4, bar);
+      tma::load_bytes(st + kGOff + kGLogRq * 4, p.qk_lrn + ((first_slot + ch) * p.H + h) * 128, 128 * 4, bar);
   };
 
   if (tid == 0) {  // (reinit: a later walk of a persistent CTA, every phase of the last one waited for)
@@ -112,7 +116,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const Wal
     // document (or are zeros past the tensor's end); zero them, so that a document's
     // results never see another's values (they would only ever meet zero weights, but
     // 0 * inf is NaN). Tiles of 64 rows, block (64 columns) after block.
-    const int len = seg_len - c * kGdnChunk;
+    const int len = seg_len - chunk_of(c) * kGdnChunk;
     if (len < kGdnChunk) {
       for (int i = tid; i < (kGdnChunk - len) * 16; i += 128) {
         const int r = len + (i >> 4), ch = i & 15;

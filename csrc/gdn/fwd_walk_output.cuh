@@ -43,14 +43,12 @@ __device__ __forceinline__ void stage_token_rows(const uint32_t (&frag)[4][4], c
 }
 
 // o rows t0 .. min(t0 + 64, doc_end) - 1, value columns v0 .. v0 + 63 of head hv, from
-// this warpgroup's accumulator o (columns = tokens, as the state warpgroup holds it).
-// st: the chunk's stage; sv: its V tile's shared address; vh: the half v0 = 64 vh.
-__device__ __forceinline__ void store_o_chunk(const float (&o)[32], const unsigned char* st, uint32_t sv,
+// this warpgroup's bf16 A fragments of them (columns = tokens, as the state warpgroup
+// holds o). st: the chunk's stage; sv: its V tile's shared address; vh: the half v0 = 64 vh.
+__device__ __forceinline__ void store_o_frags(const uint32_t (&r)[4][4], const unsigned char* st, uint32_t sv,
                                               __nv_bfloat16* og, int64_t HV, int64_t hv, int v0, int vh, int64_t t0,
                                               int64_t doc_end) {
   const int lane = threadIdx.x & 31, warp = (threadIdx.x & 127) >> 5;
-  uint32_t r[4][4];
-  wgmma::to_a_frags(r, o);
   uint4 val[4];
   stage_token_rows(r, st, sv, vh, val);
   const int len = static_cast<int>(min(doc_end - t0, static_cast<int64_t>(kGdnChunk)));
@@ -59,6 +57,15 @@ __device__ __forceinline__ void store_o_chunk(const float (&o)[32], const unsign
     const int row = 16 * it + (lane >> 1);
     if (row < len) mma::st_global_16(og + ((t0 + row) * HV + hv) * kGdnHeadDim + v0 + 16 * warp + 8 * (lane & 1), val[it]);
   }
+}
+
+// The same from the fp32 accumulator o.
+__device__ __forceinline__ void store_o_chunk(const float (&o)[32], const unsigned char* st, uint32_t sv,
+                                              __nv_bfloat16* og, int64_t HV, int64_t hv, int v0, int vh, int64_t t0,
+                                              int64_t doc_end) {
+  uint32_t r[4][4];
+  wgmma::to_a_frags(r, o);
+  store_o_frags(r, st, sv, og, HV, hv, v0, vh, t0, doc_end);
 }
 
 }  // namespace cake::gdn_walk

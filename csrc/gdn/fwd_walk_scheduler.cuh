@@ -57,9 +57,12 @@ struct Walk {
   float* S_end;
 };
 
+// kReverse (the reverse walk, fwd_walk_reverse.cuh) takes the args as that walk's launch
+// sets them: initial_state = dht, final_state = dh0, seg_state = the chained end
+// gradients; its S0 is dS at the segment's end, S_end dh0 at a document's first segment.
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index) {
-  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // from the segment's start state (kOutput, kTape, kOutputTape)
+  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // from the segment's start state (all but kSummary)
   constexpr int kKinds = kSegmentWalk ? 1 : 2, kHalves = 3 - kStateWgs;
   Walk w{};
   w.half = kHalves == 2 ? static_cast<int>(index % 2) : 0;
@@ -86,7 +89,16 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index
   }
   constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
   w.S0 = nullptr;
-  if (sp.seg == 0 && !w.transfer && skip == 0) {
+  if constexpr (kMode == WalkMode::kReverse) {
+    // From the document's end gradient (dht, or zeros) at its last segment, else from the
+    // chained gradient of the cut after the segment (inner index slot - doc).
+    if (sp.seg == sp.nseg - 1) {
+      if (p.initial_state != nullptr) w.S0 = p.initial_state + (sp.doc * p.HV_stride + hv) * kMat;
+    } else {
+      w.S0 = p.seg_state + (inner * p.HV + hv) * kMat;
+    }
+    w.S_end = sp.seg == 0 ? p.final_state + (sp.doc * p.HV_stride + hv) * kMat : nullptr;
+  } else if (sp.seg == 0 && !w.transfer && skip == 0) {
     if (p.initial_state != nullptr) w.S0 = p.initial_state + (sp.doc * p.HV_stride + hv) * kMat;
   } else if (kSegmentWalk) {
     w.S0 = p.seg_state + ((inner - 1) * p.HV + hv) * kMat;  // the chained start state: the previous segment's
@@ -95,8 +107,8 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index
     w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV_stride + hv) * kMat : nullptr;
   else if constexpr (kMode == WalkMode::kSummary)
     w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (inner * p.HV + hv) * kMat;
-  else
-    w.S_end = nullptr;  // kTape: no final state (the tapes only)
+  else if constexpr (kMode == WalkMode::kTape)
+    w.S_end = nullptr;  // no final state (the tapes only)
 
   const int c0 = sp.c0 + skip;
   w.nch = sp.nch - skip;

@@ -23,6 +23,31 @@
 
 namespace cake::gdn_walk {
 
+// A state warpgroup's 64 x 128 accumulator of S^T (or dS^T) from / to a K x V fp32 matrix
+// in rows of 128: s[4 nt + e] is value column col (+8 for e >= 2), head dim
+// 8 nt + 2 t4 + (e & 1).
+__device__ __forceinline__ void load_state_columns(float (&s)[64], const float* X, int col, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int kd = 8 * nt + 2 * t4;
+    s[4 * nt + 0] = X[kd * kGdnHeadDim + col];
+    s[4 * nt + 1] = X[(kd + 1) * kGdnHeadDim + col];
+    s[4 * nt + 2] = X[kd * kGdnHeadDim + col + 8];
+    s[4 * nt + 3] = X[(kd + 1) * kGdnHeadDim + col + 8];
+  }
+}
+
+__device__ __forceinline__ void store_state_columns(const float (&s)[64], float* X, int col, int t4) {
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int kd = 8 * nt + 2 * t4;
+    X[kd * kGdnHeadDim + col] = s[4 * nt + 0];
+    X[(kd + 1) * kGdnHeadDim + col] = s[4 * nt + 1];
+    X[kd * kGdnHeadDim + col + 8] = s[4 * nt + 2];
+    X[(kd + 1) * kGdnHeadDim + col + 8] = s[4 * nt + 3];
+  }
+}
+
 // A state warpgroup (wg of the CTA's): the walk of the 64 value columns of half vh
 // (v0 = 64 vh ..) of one (segment, value head), from S0 (K x V fp32, rows of 128;
 // nullptr: zeros; identity: the K x K identity), to S_end (same layout, or transposed
@@ -49,14 +74,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
   const int col = v0 + 16 * warp + gid;
   float s[64];
   if (S0 != nullptr) {
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int kd = 8 * nt + 2 * t4;
-      s[4 * nt + 0] = S0[kd * kGdnHeadDim + col];
-      s[4 * nt + 1] = S0[(kd + 1) * kGdnHeadDim + col];
-      s[4 * nt + 2] = S0[kd * kGdnHeadDim + col + 8];
-      s[4 * nt + 3] = S0[(kd + 1) * kGdnHeadDim + col + 8];
-    }
+    load_state_columns(s, S0, col, t4);
   } else {
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt) {
@@ -192,14 +210,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
     }
     return;
   }
-#pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    const int kd = 8 * nt + 2 * t4;
-    S_end[kd * kGdnHeadDim + col] = s[4 * nt + 0];
-    S_end[(kd + 1) * kGdnHeadDim + col] = s[4 * nt + 1];
-    S_end[kd * kGdnHeadDim + col + 8] = s[4 * nt + 2];
-    S_end[(kd + 1) * kGdnHeadDim + col + 8] = s[4 * nt + 3];
-  }
+  store_state_columns(s, S_end, col, t4);
 }
 
 }  // namespace cake::gdn_walk
