@@ -1,7 +1,7 @@
 #!/usr/bin/env python
-"""The CUDA GDN backward with each form of the reverse walk's tape walk side by side:
-reverse_walk = 0 (mma.sync, bwd_walk.cu, the default) and 1 (the forward walk's CTA in
-reverse mode, wgmma, fwd_walk_reverse.cuh); docs/kernels.md, "Backward".
+"""The CUDA GDN backward with each form of the reverse walk's summaries and tape walk side
+by side: reverse_walk = 0 (mma.sync, bwd_walk.cu, the default) and 1 (the forward walk's
+CTA in its reverse modes, wgmma, fwd_walk_reverse.cuh); docs/kernels.md, "Backward".
 
     python tools/gdn_bwd_reverse_walk.py [--shapes s32k_h16,...] [--calls 5] [--rounds 2]
 
@@ -9,7 +9,8 @@ Per benchmark shape (cake_ops/bench/shapes.py, its inputs and mamba gate): one
 torch.ops.cake_cuda.gdn_bwd (deterministic, in-op L2 norm, no initial state) per form,
 timed by CUDA events (the median over --calls, the forms in palindromic order over
 --rounds), the allocator's peak during one call above what it held before, the time of
-the tape walk's own kernel (one profiler session per form, after the timing), and the
+the tape walk's own kernel (one profiler session per form, after the timing; the walks
+run beside the recompute's, so their kernels stretch), and the
 gradients' rel-RMS difference between the forms (not bitwise: the forms' products sum in
 other orders). Repo root, Hopper GPU.
 """

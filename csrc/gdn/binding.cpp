@@ -531,8 +531,9 @@ class SideStream {
 // (the bits do not depend on it). tapes: the full save mode's per-chunk block from
 // gdn_fwd_full for the same arguments, or none: with it the backward recomputes nothing
 // but the plan's offsets (one slice), and its gradients are bitwise those without it.
-// reverse_walk: the reverse walk's tape walk on 0, its mma.sync kernel (the default), or
-// 1, the forward walk's CTA in reverse mode (wgmma; bwd_walk.h), for tests and tuning.
+// reverse_walk: the reverse walk's summaries and tape walk on 0, its mma.sync kernels (the
+// default), or 1, the forward walk's CTA in its reverse modes (wgmma; bwd_walk.h), for
+// tests and tuning.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd(
     const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
@@ -634,6 +635,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.scale = static_cast<float>(scale);
     r.wgmma_walk = reverse_walk == 1;
     r.value_splits = f.walk_splits;
+    r.summary_splits = f.summary_splits;
     if (side) {
       side->fork();
       err = gdn_bwd_walk_launch(r, side->stream());

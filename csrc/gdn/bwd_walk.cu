@@ -396,23 +396,6 @@ __device__ __forceinline__ void zero_norms(const GdnBwdWalkArgs& p, unsigned cha
     reinterpret_cast<float*>(smem + (i >> 7) * kStageBytes + kSL)[i & 127] = 0.f;
 }
 
-// The backward's truncation window of a segment: the fewest first chunks whose
-// chunk_decay sums to <= kGdnTruncLogDecay, or 0 if there are none (the forward's
-// truncation_start, mirrored). decay: chunk_decay at the segment's first chunk, stride
-// HV. Every warp computes it alike (same loads, same summation order).
-__device__ __forceinline__ int window_chunks(const float* decay, int64_t HV, int nch) {
-  const int lane = threadIdx.x & 31;
-  float carry = 0.f;  // the log decay of the chunks before this round's
-  for (int begin = 0; begin < nch; begin += 32) {
-    const int c = begin + lane;
-    const float x = warp_inclusive_scan(c < nch ? decay[c * HV] : 0.f) + carry;  // chunks 0 .. c
-    const unsigned hit = __ballot_sync(0xffffffffu, c < nch && x <= kGdnTruncLogDecay);
-    if (hit != 0u) return begin + __ffs(hit);  // the lowest lane: the shortest window
-    carry = __shfl_sync(0xffffffffu, x, 31);
-  }
-  return 0;
-}
-
 // Per (cut, value head, part): the summary of the segment after the cut (bwd_walk.h).
 // Part 0 walks F (over the truncation window, or the whole segment where the cut is
 // exact) and marks the cut; part 1 walks the transfer M^T where the cut is exact and
@@ -554,10 +537,16 @@ cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
   if (err != cudaSuccess) return err;
   const bool cut = p.seg_offsets != nullptr && p.inner_slots > 0;
   if (cut) {
-    err = cudaFuncSetAttribute(gdn_bwd_walk_summary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (p.wgmma_walk) {
+      err = gdn_bwd_reverse_summary_launch(p, stream);
+    } else {
+      err = cudaFuncSetAttribute(gdn_bwd_walk_summary_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                 kSmemBytes);
+      if (err == cudaSuccess)
+        gdn_bwd_walk_summary_kernel<<<static_cast<unsigned>(2 * p.inner_slots * p.HV), kThreads, kSmemBytes,
+                                      stream>>>(p);
+    }
     if (err != cudaSuccess) return err;
-    gdn_bwd_walk_summary_kernel<<<static_cast<unsigned>(2 * p.inner_slots * p.HV), kThreads, kSmemBytes, stream>>>(
-        p);
     gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kChainTiles), kD, 0, stream>>>(p);
   }
   if (p.wgmma_walk) return gdn_bwd_reverse_walk_launch(p, stream);

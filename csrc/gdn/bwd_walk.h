@@ -79,16 +79,19 @@ struct GdnBwdWalkArgs {
   int64_t inner_slots;           // NI: the cuts' workspace slots (0: none)
   int64_t segment_slots;         // the tape walk's launch bound (gdn_fwd_segment_slots; N when uncut)
   float scale;  // finite, > 0
-  // The tape walk's kernel: false, this file's (mma.sync, bwd_walk.cu); true, the forward
-  // walk's CTA in its reverse mode (wgmma, fwd_walk_reverse.cuh; needs seg_offsets and
-  // value_splits, the forward plan's walk split, 1 or 2). Not yet the backward's default:
-  // docs/kernels.md, "Backward".
+  // The summaries' and the tape walk's kernels: false, this file's (mma.sync, bwd_walk.cu);
+  // true, the forward walk's CTA in its reverse modes (wgmma, fwd_walk_reverse.cuh; needs
+  // seg_offsets and the forward plan's value splits of its walks and summaries, 1 or 2).
+  // The chain is this file's either way. Not yet the backward's default: docs/kernels.md,
+  // "Backward".
   bool wgmma_walk;
-  int value_splits;
+  int value_splits, summary_splits;
 };
 
 cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
-// The tape walk alone on the forward walk's CTA (fwd_walk.cu), for gdn_bwd_walk_launch.
+// The summaries and the tape walk on the forward walk's CTA (fwd_walk.cu), for
+// gdn_bwd_walk_launch.
+cudaError_t gdn_bwd_reverse_summary_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
 cudaError_t gdn_bwd_reverse_walk_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
 
 }  // namespace cake

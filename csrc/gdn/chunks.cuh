@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "common/scan.cuh"
 #include "common/varlen.cuh"
 #include "gdn/gdn.h"
 
@@ -74,6 +75,23 @@ __device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, C
   s.c0 = grid > 0 ? s.seg * grid : 0;
   s.nch = grid > 0 ? min(grid, chunks - s.c0) : chunks;
   return s;
+}
+
+// The backward's truncation window of a segment (the reverse walk's summaries, bwd_walk.h):
+// the fewest first chunks whose chunk_decay sums to <= kGdnTruncLogDecay, or 0 if there
+// are none (the forward's truncation_start, fwd_walk_scheduler.cuh, mirrored). decay: chunk_decay at the segment's first chunk, stride
+// HV. Every warp computes it alike (same loads, same summation order).
+__device__ __forceinline__ int window_chunks(const float* decay, int64_t HV, int nch) {
+  const int lane = threadIdx.x & 31;
+  float carry = 0.f;  // the log decay of the chunks before this round's
+  for (int begin = 0; begin < nch; begin += 32) {
+    const int c = begin + lane;
+    const float x = warp_inclusive_scan(c < nch ? decay[c * HV] : 0.f) + carry;  // chunks 0 .. c
+    const unsigned hit = __ballot_sync(0xffffffffu, c < nch && x <= kGdnTruncLogDecay);
+    if (hit != 0u) return begin + __ffs(hit);  // the lowest lane: the shortest window
+    carry = __shfl_sync(0xffffffffu, x, 31);
+  }
+  return 0;
 }
 
 }  // namespace cake

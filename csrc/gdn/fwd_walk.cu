@@ -9,7 +9,8 @@
 //            bitwise tape mode's: the same chain instructions, the same fragments);
 //   reverse: the backward's reverse walk of the state gradient (gdn/bwd_walk.h) on this
 //            CTA, from each segment's last chunk to its first: the dS tape and dv_new
-//            (fwd_walk_reverse.cuh), launched by gdn_bwd_reverse_walk_launch;
+//            (fwd_walk_reverse.cuh), launched by gdn_bwd_reverse_walk_launch; and its cut
+//            summaries F and M^T (gdn_bwd_reverse_summary_launch);
 //   summary: the walk of one segment without output, from zero (E_s; segment 0 from the
 //            initial state) or from the identity with v = 0 (M_s), written to the
 //            segment workspaces for the chain (fwd_chain.cu); at a truncated cut
@@ -85,8 +86,8 @@ namespace {
 
 using namespace gdn_walk;
 
-// Output and tape modes: one CTA per walk (find_walk). Summary mode: the persistent grid
-// and its queue (fwd_walk_scheduler.cuh).
+// Output, tape and reverse modes: one CTA per walk (find_walk). Summary mode: the
+// persistent grid and its queue (fwd_walk_scheduler.cuh).
 // Each role's loop sits beside its setmaxnreg, so that the compiler sees one register
 // budget per code path.
 template <WalkMode kMode, int kStateWgs>
@@ -102,13 +103,16 @@ __global__ void __launch_bounds__(kWalkThreads<kStateWgs>, 1)
     if (!w.run) return;
     if (wg == kStateWgs) {
       asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kAuxRegs<kStateWgs>));
+      // (A transfer's reverse walk reads do as zeros.)
+      const bool with_v = !(kMode == WalkMode::kReverseSummary && w.transfer);
       aux_warpgroup<kMode, kStateWgs>(p, maps, smem, bars, w.hv, w.hv / static_cast<int>(p.HV / p.H), w.seg_start,
-                                      w.seg_end, w.nch, w.first_slot, true, w.half, false);
+                                      w.seg_end, w.nch, w.first_slot, with_v, w.half, false);
     } else {
       asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kStateRegs<kStateWgs>));
-      if constexpr (kMode == WalkMode::kReverse)
-        reverse_state_warpgroup<kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half,
-                                           w.hv, w.seg_start, w.doc_end, w.nch, w.S0, w.S_end, w.first_slot, tapes);
+      if constexpr (walks_reverse(kMode))
+        reverse_state_warpgroup<kMode == WalkMode::kReverse, kStateWgs>(
+            p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half, w.hv, w.seg_start, w.doc_end, w.nch,
+            w.S0, w.transfer, w.S_end, w.first_slot, tapes);
       else
         state_warpgroup<kMode, kStateWgs>(p, smem, bars, kStateWgs == 2 ? wg : 0, kStateWgs == 2 ? wg : w.half,
                                           w.hv, w.seg_start, w.doc_end, w.nch, w.S0, false, w.S_end, w.first_slot,
@@ -173,15 +177,17 @@ cudaError_t encode_walk_maps(const GdnFwdArgs& p, WalkMaps& m) {
   return err;
 }
 
+// The walks of cuts (two kinds a cut) rather than of segments: the summaries.
+constexpr bool walks_cuts(WalkMode m) { return m == WalkMode::kSummary || m == WalkMode::kReverseSummary; }
+
 template <WalkMode kMode, int kStateWgs>
 cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t stream) {
-  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // one CTA per segment walk (output, tape)
   auto kernel = gdn_fwd_walk_kernel<kMode, kStateWgs>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kWalkSmemBytes<kMode>);
   if (err != cudaSuccess) return err;
-  int64_t blocks = items * p.HV * (kSegmentWalk ? 1 : 2) * (3 - kStateWgs);
+  int64_t blocks = items * p.HV * (walks_cuts(kMode) ? 2 : 1) * (3 - kStateWgs);
   if (blocks == 0) return cudaSuccess;
-  if constexpr (!kSegmentWalk) {  // persistent: at most one CTA per SM (the kernel's occupancy)
+  if constexpr (kMode == WalkMode::kSummary) {  // persistent: at most one CTA per SM (the kernel's occupancy)
     if (p.sm_count <= 0) return cudaErrorInvalidValue;
     blocks = std::min<int64_t>(blocks, p.sm_count);
   }
@@ -197,13 +203,56 @@ cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t st
 
 template <WalkMode kMode>
 cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
-  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // the segment walks (output, tape)
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int finest = gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max);
   const int64_t items =
-      kSegmentWalk ? gdn_fwd_segment_slots(p.T, p.N, finest) : gdn_fwd_inner_segment_slots(p.T, finest);
-  const int splits = kSegmentWalk ? p.walk_splits : p.summary_splits;
+      walks_cuts(kMode) ? gdn_fwd_inner_segment_slots(p.T, finest) : gdn_fwd_segment_slots(p.T, p.N, finest);
+  const int splits = walks_cuts(kMode) ? p.summary_splits : p.walk_splits;
   return splits == 2 ? launch_walk_ctas<kMode, 1>(p, items, stream) : launch_walk_ctas<kMode, 2>(p, items, stream);
+}
+
+// The reverse walk (bwd_walk.h) as walks of this kernel: its fields carry the reverse
+// walk's tensors, v = do, o = dv_new, h_tape = the dS tape, initial_state = dht (the last
+// segment's start), seg_state = the cuts' F and then their chained end gradients,
+// seg_transfer = their M^T, final_state = dh0 (the first segment's end).
+GdnFwdArgs reverse_walk_args(const GdnBwdWalkArgs& r) {
+  GdnFwdArgs p{};
+  p.q = r.q;
+  p.k = r.k;
+  p.v = r.dout;
+  p.a = const_cast<void*>(r.a);
+  p.gcum = const_cast<float*>(r.gcum);
+  p.qk_lrn = const_cast<float*>(r.qk_lrn);
+  p.chunk_offsets = const_cast<int32_t*>(r.chunk_offsets);
+  p.seg_offsets = const_cast<int32_t*>(r.seg_offsets);
+  p.chunk_decay = const_cast<float*>(r.chunk_decay);
+  p.cu_seqlens = r.cu_seqlens;
+  p.cu_int64 = r.cu_int64;
+  p.initial_state = r.dht;
+  p.final_state = r.dh0;
+  p.seg_state = r.seg_grad;
+  p.seg_transfer = r.seg_transfer;
+  p.seg_exact = r.seg_exact;
+  p.o = r.dv_new;
+  p.h_tape = r.dS;
+  p.T = r.T;
+  p.N = r.N;
+  p.H = r.H;
+  p.HV = r.HV;
+  p.H_stride = r.H_stride;
+  p.HV_stride = r.HV_stride;
+  p.seg_chunks = r.seg_chunks;
+  p.seg_long_max = r.seg_long_max;
+  p.walk_splits = r.value_splits;
+  p.summary_splits = r.summary_splits;
+  p.scale = r.scale;
+  p.use_qk_l2norm = r.qk_lrn != nullptr;
+  return p;
+}
+
+bool reverse_walk_args_ok(const GdnBwdWalkArgs& r) {
+  const auto split_ok = [](int s) { return s == 1 || s == 2; };
+  return r.seg_offsets != nullptr && split_ok(r.value_splits) && split_ok(r.summary_splits);
 }
 
 }  // namespace
@@ -217,47 +266,23 @@ cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   return p.seg_chunks > 0 ? launch_walk<WalkMode::kSummary>(p, stream) : cudaSuccess;
 }
 
-// The reverse walk's segment walks (bwd_walk.h) as a walk of this kernel: the walk's
-// fields carry the reverse walk's tensors, v = do, o = dv_new, h_tape = the dS tape,
-// initial_state = dht (the last segment's start), seg_state = the chained end gradients
-// of the cuts, final_state = dh0 (the first segment's end).
-cudaError_t gdn_bwd_reverse_walk_launch(const GdnBwdWalkArgs& r, cudaStream_t stream) {
-  if (r.N <= 0 || r.HV <= 0) return cudaSuccess;
-  if (r.seg_offsets == nullptr || (r.value_splits != 1 && r.value_splits != 2)) return cudaErrorInvalidValue;
-  GdnFwdArgs p{};
-  p.q = r.q;
-  p.k = r.k;
-  p.v = r.dout;
-  p.a = const_cast<void*>(r.a);
-  p.gcum = const_cast<float*>(r.gcum);
-  p.qk_lrn = const_cast<float*>(r.qk_lrn);
-  p.chunk_offsets = const_cast<int32_t*>(r.chunk_offsets);
-  p.seg_offsets = const_cast<int32_t*>(r.seg_offsets);
-  p.cu_seqlens = r.cu_seqlens;
-  p.cu_int64 = r.cu_int64;
-  p.initial_state = r.dht;
-  p.final_state = r.dh0;
-  p.seg_state = r.seg_grad;
-  p.o = r.dv_new;
-  p.h_tape = r.dS;
-  p.T = r.T;
-  p.N = r.N;
-  p.H = r.H;
-  p.HV = r.HV;
-  p.H_stride = r.H_stride;
-  p.HV_stride = r.HV_stride;
-  p.seg_chunks = r.seg_chunks;
-  p.seg_long_max = r.seg_long_max;
-  p.walk_splits = p.summary_splits = r.value_splits;
-  p.scale = r.scale;
-  p.use_qk_l2norm = r.qk_lrn != nullptr;
-  return launch_walk<WalkMode::kReverse>(p, stream);
-}
-
 cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   if (p.h_tape == nullptr || p.v_new_tape == nullptr) return cudaErrorInvalidValue;
   return launch_walk<WalkMode::kTape>(p, stream);
+}
+
+cudaError_t gdn_bwd_reverse_walk_launch(const GdnBwdWalkArgs& r, cudaStream_t stream) {
+  if (r.N <= 0 || r.HV <= 0) return cudaSuccess;
+  if (!reverse_walk_args_ok(r)) return cudaErrorInvalidValue;
+  return launch_walk<WalkMode::kReverse>(reverse_walk_args(r), stream);
+}
+
+cudaError_t gdn_bwd_reverse_summary_launch(const GdnBwdWalkArgs& r, cudaStream_t stream) {
+  if (r.N <= 0 || r.HV <= 0 || r.inner_slots <= 0) return cudaSuccess;
+  if (!reverse_walk_args_ok(r) || r.seg_grad == nullptr || r.seg_transfer == nullptr || r.seg_exact == nullptr)
+    return cudaErrorInvalidValue;
+  return launch_walk<WalkMode::kReverseSummary>(reverse_walk_args(r), stream);
 }
 
 }  // namespace cake

@@ -34,12 +34,19 @@ namespace cake::gdn_walk {
 //             the segment's last chunk to its first (fwd_walk_reverse.cuh): do loaded in
 //             place of v; per chunk the dS tape (staged as kOutputTape stages h) and dv_new
 //             (in o's place and layout); the walk's start state is dS at the segment's end,
-//             its end state dh0 at a document's first segment.
-enum class WalkMode { kOutput, kSummary, kTape, kOutputTape, kReverse };
+//             its end state dh0 at a document's first segment;
+//   kReverseSummary  the reverse walk's cut summaries (gdn/bwd_walk.h): per cut, the
+//             segment after it walked back from zero over its truncation window or whole
+//             (F), and at an exact cut from the identity with do = 0 (M^T); no tapes.
+enum class WalkMode { kOutput, kSummary, kTape, kOutputTape, kReverse, kReverseSummary };
 __host__ __device__ constexpr bool walks_output(WalkMode m) { return m == WalkMode::kOutput || m == WalkMode::kOutputTape; }
 __host__ __device__ constexpr bool walks_tapes(WalkMode m) { return m == WalkMode::kTape || m == WalkMode::kOutputTape; }
+// The reverse walk's modes: the state gradient, from a segment's last chunk to its first.
+__host__ __device__ constexpr bool walks_reverse(WalkMode m) {
+  return m == WalkMode::kReverse || m == WalkMode::kReverseSummary;
+}
 // The modes that load q and form P~ (the aux warpgroup's work beyond the gates).
-__host__ __device__ constexpr bool walks_p(WalkMode m) { return walks_output(m) || m == WalkMode::kReverse; }
+__host__ __device__ constexpr bool walks_p(WalkMode m) { return walks_output(m) || walks_reverse(m); }
 
 // kStateWgs state warpgroups (2: both halves of the value columns; 1: the CTA's half),
 // then the aux warpgroup.

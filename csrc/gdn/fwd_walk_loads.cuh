@@ -41,15 +41,15 @@ namespace cake::gdn_walk {
 // Tokens seg_start .. seg_end - 1 (nch chunks from chunk slot first_slot); with_v = false
 // leaves the V tiles zero instead. A split CTA (kStateWgs = 1) loads only the value
 // columns of its half vh. load_bar: the stages' load barriers (8 bytes each).
-// kTape loads as kSummary does (no q, no P~); kOutputTape as kOutput; kReverse as kOutput
-// with do in v's place (maps.v), the chunks from the segment's last to its first.
+// kTape loads as kSummary does (no q, no P~); kOutputTape as kOutput; the reverse modes as
+// kOutput with do in v's place (maps.v), the chunks from the segment's last to its first.
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const WalkMaps& maps, unsigned char* smem,
                                               uint32_t load_bar, int hv, int h, int64_t seg_start, int64_t seg_end,
                                               int nch, int64_t first_slot, bool with_v, int vh, bool reinit) {
   constexpr bool kOutput = walks_p(kMode);  // q and P~ are loaded and formed (o, or the reverse walk's dv_new)
   // Step c of the walk is chunk chunk_of(c) of the segment.
-  const auto chunk_of = [nch](int c) { return kMode == WalkMode::kReverse ? nch - 1 - c : c; };
+  const auto chunk_of = [nch](int c) { return walks_reverse(kMode) ? nch - 1 - c : c; };
   constexpr int kThreads = kWalkThreads<kStateWgs>;
   const int tid = threadIdx.x - 128 * kStateWgs, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;

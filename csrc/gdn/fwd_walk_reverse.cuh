@@ -37,14 +37,17 @@ namespace cake::gdn_walk {
 
 // A reverse state warpgroup (wg of the CTA's): value rows v0 = 64 vh .. of one (segment,
 // value head), from S0 = dS at the segment's end (K x V fp32, rows of 128; nullptr:
-// zeros) to S_end = dS at its start (same layout; nullptr: not stored). p as the reverse
-// walk's launch sets it (fwd_walk.cu): v = do, o = dv_new. first_slot: the segment's first
-// chunk slot; tapes.h: the dS tape.
-template <int kStateWgs>
+// zeros; identity: the K x K identity, a transfer's walk, do read as zeros) to S_end = dS
+// at its start (same layout, transposed when identity as the forward's M_s^T; nullptr:
+// not stored). kTapes (kReverse; not the summaries): the dS tape and dv_new per chunk. p
+// as the reverse walk's launch sets it (fwd_walk.cu): v = do, o = dv_new. first_slot: the
+// first chunk slot of the chunks walked; tapes.h: the dS tape.
+template <bool kTapes, int kStateWgs>
 __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p, unsigned char* smem,
                                                         uint32_t load_bar, int wg, int vh, int64_t hv,
                                                         int64_t seg_start, int64_t doc_end, int nch, const float* S0,
-                                                        float* S_end, int64_t first_slot, WalkTapes tapes) {
+                                                        bool identity, float* S_end, int64_t first_slot,
+                                                        WalkTapes tapes) {
   const int tid = threadIdx.x & 127, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: this lane's matrix and row
@@ -54,14 +57,9 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
   __shared__ float* parked_end[kStateWgs];
   parked_end[wg] = S_end;
 
-  // dS^T accumulator, as the forward's S^T (load_state_columns, fwd_walk_state.cuh).
+  // dS^T accumulator, as the forward's S^T (start_state, fwd_walk_state.cuh).
   float s[64];
-  if (S0 != nullptr) {
-    load_state_columns(s, S0, v0 + 16 * warp + gid, t4);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] = 0.f;
-  }
+  start_state(s, S0, identity, v0 + 16 * warp + gid, t4);
 
   for (int c = 0; c < nch; ++c) {
     const int stage = c % kStages;
@@ -86,7 +84,7 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(y, sfrag[ks], wgmma::desc_k_major(sk, 64, ks), ks > 0);
     wgmma::commit();
-    {
+    if constexpr (kTapes) {
       __nv_bfloat16* ds_rows = static_cast<__nv_bfloat16*>(tapes.h) +
                                (((first_slot + ch) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp) * kGdnHeadDim;
       store_h_chunk(sfrag, smem + kHStageOff + (4 * wg + warp) * 2048, ds_rows);
@@ -150,7 +148,7 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
     if (kStateWgs == 2 && c == 0 && wg == 0) mma::bar_arrive(kBarStagger, 256);
     // dv_new of the chunk's real tokens, while the update runs (staged in the warp's own
     // columns of the do tile, whose fragments are in registers).
-    store_o_frags(dvfrag, st, sdo, dv_new, p.HV_stride, hv, v0, vh, t0, doc_end);
+    if constexpr (kTapes) store_o_frags(dvfrag, st, sdo, dv_new, p.HV_stride, hv, v0, vh, t0, doc_end);
     wgmma::wait<0>();
     wgmma::fence_operands(s);
 
@@ -160,15 +158,15 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
     }
   }
 
-  // dS at the segment's start: dh0 at a document's first segment (for an empty document,
-  // dht or zeros), else not stored.
+  // dS at the walk's start: dh0 at a document's first segment (for an empty document, dht
+  // or zeros), a summary's F or M^T, else not stored.
   S_end = parked_end[wg];
   if (S_end == nullptr) return;
   // The thread's row and column offsets, read again from %tid (held across the loop they
   // take a register the loop needs).
   uint32_t t;
   asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-  store_state_columns(s, S_end, v0 + 16 * ((t & 127) >> 5) + ((t & 31) >> 2), t & 3);
+  end_state(s, S_end, identity, v0 + 16 * ((t & 127) >> 5) + ((t & 31) >> 2), t & 3);
 }
 
 }  // namespace cake::gdn_walk

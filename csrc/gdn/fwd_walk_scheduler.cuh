@@ -57,12 +57,48 @@ struct Walk {
   float* S_end;
 };
 
+// The reverse walk's summaries (kReverseSummary, bwd_walk.h): walk (cut after inner
+// segment i, hv, F or M^T[, half]) is the segment after the cut walked back, F from zero
+// over its backward truncation window (window_chunks, chunks.cuh) or, at an exact cut, the
+// whole segment, and M^T from the identity (do = 0) at an exact cut only; the args as the
+// reverse walk's launch sets them (seg_state = F, then the chained end gradients).
+template <int kStateWgs>
+__device__ __forceinline__ Walk find_reverse_summary(const GdnFwdCoreArgs& p, int64_t index) {
+  constexpr int kHalves = 3 - kStateWgs;
+  Walk w{};
+  w.half = kHalves == 2 ? static_cast<int>(index % 2) : 0;
+  const int64_t block = index / kHalves;
+  w.transfer = block % 2 == 1;
+  const int64_t hv = block / 2 % p.HV;
+  w.hv = static_cast<int>(hv);
+  const int64_t i = block / 2 / p.HV;
+  if (i >= p.seg_offsets[p.N] - p.N) return w;
+  const int64_t slot = inner_segment_slot(p.seg_offsets, p.N, i);
+  const SegmentPos sp =
+      find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max, slot + 1);
+  const int64_t first_slot = p.chunk_offsets[sp.doc] + sp.c0;
+  const int window = window_chunks(p.chunk_decay + first_slot * p.HV + hv, p.HV, sp.nch);
+  if (w.transfer && window > 0) return w;  // a truncated cut needs no transfer
+  if (!w.transfer && w.half == 0 && threadIdx.x == 0) p.seg_exact[i * p.HV + hv] = window > 0 ? 0 : 1;
+  constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
+  w.S0 = nullptr;
+  w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (i * p.HV + hv) * kMat;
+  w.nch = window > 0 ? window : sp.nch;
+  w.seg_start = sp.doc_start + static_cast<int64_t>(sp.c0) * kGdnChunk;
+  w.seg_end = min(sp.doc_end, w.seg_start + static_cast<int64_t>(w.nch) * kGdnChunk);
+  w.doc_end = sp.doc_end;
+  w.first_slot = first_slot;
+  w.run = true;
+  return w;
+}
+
 // kReverse (the reverse walk, fwd_walk_reverse.cuh) takes the args as that walk's launch
 // sets them: initial_state = dht, final_state = dh0, seg_state = the chained end
 // gradients; its S0 is dS at the segment's end, S_end dh0 at a document's first segment.
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index) {
-  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // from the segment's start state (all but kSummary)
+  if constexpr (kMode == WalkMode::kReverseSummary) return find_reverse_summary<kStateWgs>(p, index);
+  constexpr bool kSegmentWalk = kMode != WalkMode::kSummary;  // from the segment's start state
   constexpr int kKinds = kSegmentWalk ? 1 : 2, kHalves = 3 - kStateWgs;
   Walk w{};
   w.half = kHalves == 2 ? static_cast<int>(index % 2) : 0;

@@ -48,6 +48,37 @@ __device__ __forceinline__ void store_state_columns(const float (&s)[64], float*
   }
 }
 
+// A walk's start: S0 (nullptr: zeros; identity: the K x K identity).
+__device__ __forceinline__ void start_state(float (&s)[64], const float* S0, bool identity, int col, int t4) {
+  if (S0 != nullptr) {
+    load_state_columns(s, S0, col, t4);
+    return;
+  }
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int kd = 8 * nt + 2 * t4;
+    s[4 * nt + 0] = identity && kd == col ? 1.f : 0.f;
+    s[4 * nt + 1] = identity && kd + 1 == col ? 1.f : 0.f;
+    s[4 * nt + 2] = identity && kd == col + 8 ? 1.f : 0.f;
+    s[4 * nt + 3] = identity && kd + 1 == col + 8 ? 1.f : 0.f;
+  }
+}
+
+// A walk's end: to S_end as a K x V matrix, or from the identity (a transfer) transposed,
+// row col, pairs of adjacent head dims (the layout the chains read).
+__device__ __forceinline__ void end_state(const float (&s)[64], float* S_end, bool identity, int col, int t4) {
+  if (!identity) {
+    store_state_columns(s, S_end, col, t4);
+    return;
+  }
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt) {
+    const int kd = 8 * nt + 2 * t4;
+    *reinterpret_cast<float2*>(S_end + col * kGdnHeadDim + kd) = make_float2(s[4 * nt + 0], s[4 * nt + 1]);
+    *reinterpret_cast<float2*>(S_end + (col + 8) * kGdnHeadDim + kd) = make_float2(s[4 * nt + 2], s[4 * nt + 3]);
+  }
+}
+
 // A state warpgroup (wg of the CTA's): the walk of the 64 value columns of half vh
 // (v0 = 64 vh ..) of one (segment, value head), from S0 (K x V fp32, rows of 128;
 // nullptr: zeros; identity: the K x K identity), to S_end (same layout, or transposed
@@ -73,18 +104,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
   // S^T accumulator: s[4 nt + e] is value column `col` (+8 for e >= 2), head dim 8 nt + 2 t4 + (e & 1).
   const int col = v0 + 16 * warp + gid;
   float s[64];
-  if (S0 != nullptr) {
-    load_state_columns(s, S0, col, t4);
-  } else {
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int kd = 8 * nt + 2 * t4;
-      s[4 * nt + 0] = identity && kd == col ? 1.f : 0.f;
-      s[4 * nt + 1] = identity && kd + 1 == col ? 1.f : 0.f;
-      s[4 * nt + 2] = identity && kd == col + 8 ? 1.f : 0.f;
-      s[4 * nt + 3] = identity && kd + 1 == col + 8 ? 1.f : 0.f;
-    }
-  }
+  start_state(s, S0, identity, col, t4);
 
   for (int c = 0; c < nch; ++c) {
     const int stage = c % kStages;
@@ -201,16 +221,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
   // The end state (for an empty document: the initial state or zeros).
   S_end = parked_end[wg];
   if (S_end == nullptr) return;
-  if (identity) {  // M_s^T: row col, pairs of adjacent head dims
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int kd = 8 * nt + 2 * t4;
-      *reinterpret_cast<float2*>(S_end + col * kGdnHeadDim + kd) = make_float2(s[4 * nt + 0], s[4 * nt + 1]);
-      *reinterpret_cast<float2*>(S_end + (col + 8) * kGdnHeadDim + kd) = make_float2(s[4 * nt + 2], s[4 * nt + 3]);
-    }
-    return;
-  }
-  store_state_columns(s, S_end, col, t4);
+  end_state(s, S_end, identity, col, t4);  // M_s^T when identity
 }
 
 }  // namespace cake::gdn_walk

@@ -177,21 +177,25 @@ def test_head_slices_give_the_same_bits(ops, deterministic):
         _bwd(ops, inp, True, do, dht, deterministic, head_slices=3)
 
 
+@pytest.mark.parametrize("reverse_walk", [0, 1], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("gate", ["normal", "window4"], ids=["truncated_cuts", "truncated_and_exact_cuts"])
-def test_cut_reverse_walk_matches_fp64(ops, gate):
+def test_cut_reverse_walk_matches_fp64(ops, gate, reverse_walk):
     """The reverse walk cut at a forced grid of 8 chunks (bwd_walk.h): with the normal gate
     every cut truncates (one-chunk windows); with a constant log decay of -0.08 a token
     a window takes 4 chunks, so a document's last, shorter segment cuts exactly. Every
-    gradient within the contract, under NaN poisoning, bitwise repeatable."""
+    gradient within the contract, under NaN poisoning, bitwise repeatable; in both forms
+    of the walk's summaries and tape walk (reverse_walk)."""
     case = GdnCase(f"cut_{gate}", (64 * 40 + 5, 64 * 19, 70), H=2, G=2, l2norm=True, initial_state=True)
     inp = case.inputs("cuda")
     if gate == "window4":
         inp["g"] = torch.full_like(inp["g"], -0.08)
     do, dht = _grad_inputs(inp, 12)
     with poisoned_allocations():
-        grads = _bwd(ops, inp, True, do, dht, segment_chunks=8)
-    assert all(torch.equal(a, b) for a, b in zip(grads, _bwd(ops, inp, True, do, dht, segment_chunks=8)))
-    _assert_within_contract(grads, _reference_grads(inp, True, do, dht), "cut reverse walk")
+        grads = _bwd(ops, inp, True, do, dht, segment_chunks=8, reverse_walk=reverse_walk)
+    again = _bwd(ops, inp, True, do, dht, segment_chunks=8, reverse_walk=reverse_walk)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    label = "cut reverse walk" + (", wgmma" if reverse_walk else "")
+    _assert_within_contract(grads, _reference_grads(inp, True, do, dht), label)
 
 
 @pytest.mark.parametrize(
@@ -200,10 +204,10 @@ def test_cut_reverse_walk_matches_fp64(ops, gate):
     ids=["edges_l2_h0", "gva3_strong", "long_doc_cut", "empty_docs", "long_doc_grid8", "pack_gva2_grid2"],
 )
 def test_wgmma_reverse_walk_matches_fp64(ops, case, segment_chunks):
-    """The reverse walk's tape walk on the forward walk's CTA (reverse_walk = 1, wgmma;
-    bwd_walk.h; not yet the default): every gradient within the contract against FP64
-    under NaN poisoning, bitwise repeatable, both value splits alike (value rows never
-    mix), and a document's bits alone as packed."""
+    """The reverse walk's summaries and tape walk on the forward walk's CTA (reverse_walk =
+    1, wgmma; bwd_walk.h; not yet the default): every gradient within the contract against
+    FP64 under NaN poisoning, bitwise repeatable, and both value splits alike (value rows
+    never mix)."""
     inp = case.inputs("cuda")
     do, dht = _grad_inputs(inp, 21)
     run = lambda splits=-1: _bwd(ops, inp, case.l2norm, do, dht, segment_chunks=segment_chunks,  # noqa: E731
