@@ -60,6 +60,21 @@ __device__ __forceinline__ void scale_columns(float (&acc)[32], const float* f, 
   }
 }
 
+// The bf16 A fragments of 4 k-steps over tokens (columns = tokens: register r of k-step
+// ks holds tokens 16 ks + 8 (r >> 1) + 2 t4 (+1)) times the per-token factors f, in fp32,
+// rounded to bf16 again.
+__device__ __forceinline__ void scale_token_frags(uint32_t (&a)[4][4], const float* f, int t4) {
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float2 e = *reinterpret_cast<const float2*>(f + 16 * ks + 8 * (r >> 1) + 2 * t4);
+      const uint32_t w = a[ks][r];
+      a[ks][r] = pack_bf16(__uint_as_float(w << 16) * e.x, __uint_as_float(w & 0xffff0000u) * e.y);
+    }
+  }
+}
+
 // d += a * b (m16n8k16, bf16 inputs, fp32 accumulate).
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(

@@ -483,6 +483,19 @@ T* heads_on(T* p, int64_t heads, int64_t head_elems, int64_t elem_bytes) {
                       : reinterpret_cast<T*>(reinterpret_cast<Byte*>(p) + heads * head_elems * elem_bytes);
 }
 
+// The shapes and head strides a backward stage takes from its slice's forward args (the
+// same fields in GdnBwdWalkArgs and GdnBwdLocalArgs).
+template <class StageArgs>
+void set_stage_shapes(StageArgs& a, const GdnFwdArgs& f, double scale) {
+  a.T = f.T;
+  a.N = f.N;
+  a.H = f.H;
+  a.HV = f.HV;
+  a.H_stride = f.H_stride;
+  a.HV_stride = f.HV_stride;
+  a.scale = static_cast<float>(scale);
+}
+
 // A stream beside the call's for work independent of what the call's stream runs
 // meanwhile, ordered by events (which CUDA graph capture records as the graph's edges):
 // fork() makes the side stream wait for what the call's stream has launched so far,
@@ -626,13 +639,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.seg_long_max = f.seg_long_max;
     r.inner_slots = plan.inner_slots;
     r.segment_slots = gdn_fwd_segment_slots(s.T, s.N, gdn_fwd_finest_cut_chunks(plan.seg_chunks, plan.seg_long_max));
-    r.T = s.T;
-    r.N = s.N;
-    r.H = f.H;
-    r.HV = f.HV;
-    r.H_stride = f.H_stride;
-    r.HV_stride = f.HV_stride;
-    r.scale = static_cast<float>(scale);
+    set_stage_shapes(r, f, scale);
     r.wgmma_walk = reverse_walk == 1;
     r.value_splits = f.walk_splits;
     r.summary_splits = f.summary_splits;
@@ -672,13 +679,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     l.dv = r.dv_new;
     l.dg = heads_on(dg.data_ptr<float>(), hv0, 1, 4);
     l.dbeta = heads_on(dbeta.data_ptr(), hv0, 1, beta_bytes);
-    l.T = s.T;
-    l.N = s.N;
-    l.H = f.H;
-    l.HV = f.HV;
-    l.H_stride = f.H_stride;
-    l.HV_stride = f.HV_stride;
-    l.scale = static_cast<float>(scale);
+    set_stage_shapes(l, f, scale);
     l.use_qk_l2norm = use_qk_l2norm;
     err = gdn_bwd_local_launch(l, stream);
     TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (local gradients): ", cudaGetErrorString(err));

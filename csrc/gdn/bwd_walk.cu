@@ -300,15 +300,7 @@ __device__ __forceinline__ void chain_chunk(const GdnBwdWalkArgs& p, const unsig
 
   // (6) do^T diag(outq): the do^T fragments scaled per token (fp32, rounded once more).
   //     Register r of dofrag[ks] holds tokens 16 ks + 8 (r >> 1) + 2 t4 (+1).
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float2 f = *reinterpret_cast<const float2*>(gv + kGvOutQ + 16 * ks + 8 * (r >> 1) + 2 * t4);
-      const uint32_t w = dofrag[ks][r];
-      dofrag[ks][r] = mma::pack_bf16(__uint_as_float(w << 16) * f.x, __uint_as_float(w & 0xffff0000u) * f.y);
-    }
-  }
+  mma::scale_token_frags(dofrag, gv + kGvOutQ, t4);
 
   // (7) dS^T = e^gl dS^T + (do^T diag(outq)) Q + X K: B[i][k] = Q[i][k] (K[m][k]),
   //     ldmatrix.trans of the Q (K) tile.

@@ -120,15 +120,7 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<1>(x, dvfrag[ks], wgmma::desc_mn_major(sa, 64, ks), ks > 0);
     wgmma::commit();
     // do^T diag(outq) in place of do^T (its product with P~ is done): fp32, rounded once more.
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) {
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const float2 f = *reinterpret_cast<const float2*>(gs + kGOutQ + 16 * ks + 8 * (r >> 1) + 2 * t4);
-        const uint32_t w = dofrag[ks][r];
-        dofrag[ks][r] = mma::pack_bf16(__uint_as_float(w << 16) * f.x, __uint_as_float(w & 0xffff0000u) * f.y);
-      }
-    }
+    mma::scale_token_frags(dofrag, gs + kGOutQ, t4);
     wgmma::wait<0>();
     wgmma::fence_operands(x);
 
