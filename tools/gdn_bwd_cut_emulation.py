@@ -3,7 +3,7 @@
 
     python tools/gdn_bwd_cut_emulation.py [--tokens 4096] [--seg 16] [--gate mamba] [--heads 2]   # CPU, a minute
 
-The CUDA reverse walk (csrc/gdn/bwd_walk.cu; docs/kernels.md, "The cut reverse walk") is
+The CUDA reverse walk (csrc/gdn/bwd_walk.h; docs/kernels.md, "The cut reverse walk") is
 cut at the forward's grid. Each segment's walk needs the state gradient at its end, which
 is dS_start of the next segment:
   exact:     dS_start(s) = M_s^T dS_end(s) + F_s, with F_s segment s walked back from zero

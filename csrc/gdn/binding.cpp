@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -280,14 +281,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
           workspace_piece(c.workspace, w.chunks + w.chunk.chunk_decay, at::kFloat, {NC, s.HV})};
 }
 
-// The backward's reverse walk alone (gdn/bwd_walk.h), for tests of the stage: (dS tape
-// [NC, HV, 128, 128] bf16 ([slot, hv, v, k] = dS_end[k, v]), dv_new [T, HV, 128] bf16,
-// dh0 [N, HV, 128, 128] fp32), NC = a.size(0).
+// The backward's reverse walk alone (gdn/bwd_walk.h), uncut (one walk a document), for
+// tests of the stage: (dS tape [NC, HV, 128, 128] bf16 ([slot, hv, v, k] = dS_end[k, v]),
+// dv_new [T, HV, 128] bf16, dh0 [N, HV, 128, 128] fp32), NC = a.size(0). value_splits: -1
+// the plan's choice for these shapes, else 1 or 2 (the bits do not depend on it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& dout, const at::Tensor& a, const at::Tensor& gcum,
     const std::optional<at::Tensor>& qk_lrn, const std::optional<at::Tensor>& dht, const at::Tensor& chunk_offsets,
-    const at::Tensor& cu_seqlens, int64_t HV, double scale) {
+    const at::Tensor& cu_seqlens, int64_t HV, double scale, int64_t value_splits) {
   constexpr const char* op = "gdn_bwd_walk";
+  TORCH_CHECK(value_splits == -1 || value_splits == 1 || value_splits == 2, op,
+              ": value_splits must be -1 (the plan's choice), 1 or 2, got ", value_splits);
   constexpr int64_t D = kGdnHeadDim, C = kGdnChunk;
   TORCH_CHECK(q.is_cuda(), op, ": q must be a CUDA tensor, got ", q.device());
   TORCH_CHECK(q.dim() == 3, op, ": q must be [T, H, K], got ", q.sizes());
@@ -366,8 +370,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
   p.N = N;
   p.H = p.H_stride = H;
   p.HV = p.HV_stride = HV;
-  p.scale = static_cast<float>(scale);  // seg_offsets = nullptr: uncut, one walk per document
-  const cudaError_t err = gdn_bwd_walk_launch(p, c10::cuda::getCurrentCUDAStream());
+  p.scale = static_cast<float>(scale);
+  // Uncut: segment n is document n (seg_chunks = 0), no summaries, no cut workspaces.
+  const at::Tensor seg_offsets = at::arange(N + 1, q.options().dtype(at::kInt));
+  p.seg_offsets = seg_offsets.data_ptr<int32_t>();
+  int sm_count = 0;
+  cudaError_t err = cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, q.device().index());
+  TORCH_CHECK(err == cudaSuccess, op, ": cannot read the SM count: ", cudaGetErrorString(err));
+  const GdnPlan plan = gdn_fwd_make_plan(T, N, H, HV, qk_lrn.has_value(), /*deterministic=*/true, sm_count,
+                                         /*segment_chunks=*/0, static_cast<int>(value_splits));
+  p.value_splits = p.summary_splits = plan.walk_splits;
+  err = gdn_bwd_walk_launch(p, c10::cuda::getCurrentCUDAStream());
   TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
   return {dS, dv_new, dh0};
 }
@@ -544,18 +557,12 @@ class SideStream {
 // (the bits do not depend on it). tapes: the full save mode's per-chunk block from
 // gdn_fwd_full for the same arguments, or none: with it the backward recomputes nothing
 // but the plan's offsets (one slice), and its gradients are bitwise those without it.
-// reverse_walk: the reverse walk's summaries and tape walk on 0, its mma.sync kernels (the
-// default), or 1, the forward walk's CTA in its reverse modes (wgmma; bwd_walk.h), for
-// tests and tuning.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd(
     const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, bool deterministic,
-    int64_t segment_chunks, int64_t value_splits, int64_t head_slices, const std::optional<at::Tensor>& tapes,
-    int64_t reverse_walk) {
+    int64_t segment_chunks, int64_t value_splits, int64_t head_slices, const std::optional<at::Tensor>& tapes) {
   constexpr const char* op = "gdn_bwd";
-  TORCH_CHECK(reverse_walk == 0 || reverse_walk == 1, op, ": reverse_walk must be 0 (mma.sync) or 1 (wgmma), got ",
-              reverse_walk);
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
   TORCH_CHECK(dout.sizes() == at::IntArrayRef({s.T, s.HV, D}), op, ": do must be [T, HV, V] = [", s.T, ", ", s.HV,
@@ -638,9 +645,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.seg_chunks = f.seg_chunks;
     r.seg_long_max = f.seg_long_max;
     r.inner_slots = plan.inner_slots;
-    r.segment_slots = gdn_fwd_segment_slots(s.T, s.N, gdn_fwd_finest_cut_chunks(plan.seg_chunks, plan.seg_long_max));
     set_stage_shapes(r, f, scale);
-    r.wgmma_walk = reverse_walk == 1;
     r.value_splits = f.walk_splits;
     r.summary_splits = f.summary_splits;
     if (side) {
@@ -706,7 +711,8 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "-> (Tensor h, Tensor v_new, Tensor a, Tensor a_unit, Tensor gcum, Tensor qk_lrn, Tensor chunk_offsets)");
   m.def(
       "gdn_bwd_walk(Tensor q, Tensor k, Tensor do, Tensor a, Tensor gcum, Tensor? qk_lrn, Tensor? dht, "
-      "Tensor chunk_offsets, Tensor cu_seqlens, int HV, float scale) -> (Tensor dS, Tensor dv_new, Tensor dh0)");
+      "Tensor chunk_offsets, Tensor cu_seqlens, int HV, float scale, int value_splits=-1) "
+      "-> (Tensor dS, Tensor dv_new, Tensor dh0)");
   m.def(
       "gdn_bwd_local(Tensor q, Tensor k, Tensor v, Tensor do, Tensor g, Tensor beta, Tensor gcum, Tensor A, "
       "Tensor h, Tensor v_new, Tensor dS, Tensor dv_new, Tensor? initial_state, Tensor? dht, Tensor chunk_offsets, "
@@ -714,7 +720,7 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1, int head_slices=-1, Tensor? tapes=None, int reverse_walk=0) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
+      "int value_splits=-1, int head_slices=-1, Tensor? tapes=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
       "Tensor dbeta, Tensor dh0)");
   m.def(
       "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "

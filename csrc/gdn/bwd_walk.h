@@ -14,16 +14,18 @@
 //   dS     = (scale e^gcum q^)^T do + e^gl dS - (a diag(e^gcum) k^)^T dv_new
 // and finally dh0[n, hv] = dS. An empty document writes dh0 = dht (or zeros) and no tape.
 //
-// Cut at the forward's grid (seg_chunks > 0; docs/kernels.md, "Backward"), every segment
-// walks from its own end gradient, one CTA per (segment, value head). That gradient is
-// dS at the start of the next segment s + 1: a summary pass (two CTAs per cut and value
-// head) walks segment s + 1 back from zero, over the shortest run of its first chunks
-// whose chunk_decay sums to <= kGdnTruncLogDecay if there is one (a truncated cut),
-// else over the whole segment, giving F (the first CTA), and at an exact cut from the
-// identity without the outputs, giving the transfer M^T (the second, at the same time);
-// a chain per document then runs from its last
-// segment down, dS_end(s) = M_{s+1}^T dS_end(s + 1) + F_{s+1} at an exact cut, = F_{s+1}
-// at a truncated one, in fp32 in a fixed order.
+// The walk runs at the forward's cut grid (docs/kernels.md, "Backward"), every segment
+// from its own end gradient, one walk per (segment, value head) on the forward walk's CTA
+// in its reverse mode (fwd_walk.cu, fwd_walk_reverse.cuh; split by value columns as the
+// forward's walks are). That gradient is dS at the start of the next segment s + 1: a
+// summary pass (two walks per cut and value head) walks segment s + 1 back from zero, over
+// the shortest run of its first chunks whose chunk_decay sums to <= kGdnTruncLogDecay if
+// there is one (a truncated cut), else over the whole segment, giving F, and at an exact
+// cut from the identity without the outputs, giving the transfer M^T; a chain per document
+// (bwd_chain.cu) then runs from its last segment down,
+// dS_end(s) = M_{s+1}^T dS_end(s + 1) + F_{s+1} at an exact cut, = F_{s+1} at a truncated
+// one, in fp32 in a fixed order. Uncut (seg_chunks = 0, seg_offsets[n] = n): one walk a
+// document, no summaries.
 //
 //   q, k           [T, H, 128] bf16 (raw rows)       do [T, HV, 128] bf16, HV = G * H
 //   a              [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot
@@ -33,12 +35,12 @@
 //   dht            [N, HV, 128, 128] fp32 or nullptr (zeros)
 //   chunk_offsets  [N + 1] int32, the first chunk slot of each document (plan)
 //   cu_seqlens     [N + 1] int32 / int64 (cu_int64)
-//   seg_offsets    [N + 1] int32, the first segment slot of each document (plan), or
-//                  nullptr: uncut (one segment a document)
+//   seg_offsets    [N + 1] int32, the first segment slot of each document (plan)
 //   chunk_decay    [NC, HV] fp32 (prep): a chunk's log decay, +inf where a token is no contraction
+//                  (read by the summaries only: nullptr when uncut)
 //   seg_grad, seg_transfer [NI, HV, 128, 128] fp32, seg_exact [NI, HV] int32: the cuts'
 //                  workspaces (NI = inner_slots, plan.h), indexed as the forward's seg_
-//                  pieces, which the backward reuses once its tape walk has run
+//                  pieces (the backward's own pieces beside the recompute, else those)
 //   dS             [NC, HV, 128, 128] bf16 out: [slot, hv, v, k] = dS_end[k, v]
 //   dv_new         [T, HV, 128] bf16 out, dv's layout (the fused backward passes dv itself,
 //                  which the chunk-local gradients overwrite: gdn/bwd_local.h)
@@ -68,7 +70,7 @@ struct GdnBwdWalkArgs {
   void* dS;      // bf16 [NC, HV, 128, 128]
   void* dv_new;  // bf16 [T, HV, 128]
   float* dh0;    // [N, HV, 128, 128]
-  const int32_t* seg_offsets;  // nullptr: uncut
+  const int32_t* seg_offsets;
   const float* chunk_decay;
   float* seg_grad;
   float* seg_transfer;
@@ -77,20 +79,14 @@ struct GdnBwdWalkArgs {
   int64_t H_stride, HV_stride;  // heads per token row of the tensors (GdnFwdCoreArgs)
   int seg_chunks, seg_long_max;  // the forward plan's grid (gdn.h)
   int64_t inner_slots;           // NI: the cuts' workspace slots (0: none)
-  int64_t segment_slots;         // the tape walk's launch bound (gdn_fwd_segment_slots; N when uncut)
   float scale;  // finite, > 0
-  // The summaries' and the tape walk's kernels: false, this file's (mma.sync, bwd_walk.cu);
-  // true, the forward walk's CTA in its reverse modes (wgmma, fwd_walk_reverse.cuh; needs
-  // seg_offsets and the forward plan's value splits of its walks and summaries, 1 or 2).
-  // The chain is this file's either way. Not yet the backward's default: docs/kernels.md,
-  // "Backward".
-  bool wgmma_walk;
+  // The value splits of the tape walk and of the summaries (1 or 2; the forward plan's).
   int value_splits, summary_splits;
 };
 
+// Summaries, chain, tape walk (bwd_chain.cu).
 cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
-// The summaries and the tape walk on the forward walk's CTA (fwd_walk.cu), for
-// gdn_bwd_walk_launch.
+// The summaries and the tape walk on the forward walk's CTA (fwd_walk.cu).
 cudaError_t gdn_bwd_reverse_summary_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
 cudaError_t gdn_bwd_reverse_walk_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
 

@@ -28,8 +28,9 @@
 //                                            context-parallel pre-pass, chained
 //   tape walk  the walk again in tape mode for the backward: S^T at each chunk's start
 //              and v_new (fwd_walk_tapes.cuh)   ~ FLA recompute_w_u_fwd + chunk_gated_delta_rule_fwd_h
-//   reverse walk  dS walked back per (document, value head): dv_new = P^T do + K~ dS,
-//              dS <- e^gl dS + Q~^T do - w^T dv_new (bwd_walk.cu)
+//   reverse walk  dS walked back per (segment, value head): dv_new = P^T do + K~ dS,
+//              dS <- e^gl dS + Q~^T do - w^T dv_new (bwd_walk.h: the walk's CTA in reverse
+//              mode, fwd_walk_reverse.cuh; its cut summaries and chain, bwd_chain.cu)
 //                                          ~ FLA chunk_bwd_dv_local + chunk_gated_delta_rule_bwd_dhu
 //   local gradients  per (chunk, q/k head): dq, dk, dv, dbeta, dg from the tapes
 //              (bwd_local.cu)              ~ FLA chunk_bwd_dqkwg + prepare_wy_repr_bwd

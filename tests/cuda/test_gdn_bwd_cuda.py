@@ -58,11 +58,10 @@ def _grad_inputs(inp, seed):
     return do, dht
 
 
-def _bwd(ops, inp, l2, do, dht, deterministic=True, segment_chunks=-1, value_splits=-1, head_slices=-1,
-         reverse_walk=0):
+def _bwd(ops, inp, l2, do, dht, deterministic=True, segment_chunks=-1, value_splits=-1, head_slices=-1):
     return ops.gdn_bwd(do, dht, inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"],
                        inp["initial_state"], 128**-0.5, l2, deterministic, segment_chunks, value_splits,
-                       head_slices, None, reverse_walk)
+                       head_slices, None)
 
 
 def _reference_grads(inp, l2, do, dht):
@@ -177,66 +176,44 @@ def test_head_slices_give_the_same_bits(ops, deterministic):
         _bwd(ops, inp, True, do, dht, deterministic, head_slices=3)
 
 
-@pytest.mark.parametrize("reverse_walk", [0, 1], ids=["mma_sync", "wgmma"])
 @pytest.mark.parametrize("gate", ["normal", "window4"], ids=["truncated_cuts", "truncated_and_exact_cuts"])
-def test_cut_reverse_walk_matches_fp64(ops, gate, reverse_walk):
+def test_cut_reverse_walk_matches_fp64(ops, gate):
     """The reverse walk cut at a forced grid of 8 chunks (bwd_walk.h): with the normal gate
     every cut truncates (one-chunk windows); with a constant log decay of -0.08 a token
     a window takes 4 chunks, so a document's last, shorter segment cuts exactly. Every
-    gradient within the contract, under NaN poisoning, bitwise repeatable; in both forms
-    of the walk's summaries and tape walk (reverse_walk)."""
+    gradient within the contract, under NaN poisoning, bitwise repeatable."""
     case = GdnCase(f"cut_{gate}", (64 * 40 + 5, 64 * 19, 70), H=2, G=2, l2norm=True, initial_state=True)
     inp = case.inputs("cuda")
     if gate == "window4":
         inp["g"] = torch.full_like(inp["g"], -0.08)
     do, dht = _grad_inputs(inp, 12)
     with poisoned_allocations():
-        grads = _bwd(ops, inp, True, do, dht, segment_chunks=8, reverse_walk=reverse_walk)
-    again = _bwd(ops, inp, True, do, dht, segment_chunks=8, reverse_walk=reverse_walk)
+        grads = _bwd(ops, inp, True, do, dht, segment_chunks=8)
+    again = _bwd(ops, inp, True, do, dht, segment_chunks=8)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
-    label = "cut reverse walk" + (", wgmma" if reverse_walk else "")
-    _assert_within_contract(grads, _reference_grads(inp, True, do, dht), label)
+    _assert_within_contract(grads, _reference_grads(inp, True, do, dht), "cut reverse walk")
 
 
-@pytest.mark.parametrize(
-    "case, segment_chunks",
-    [(CASES[0], -1), (CASES[3], -1), (CASES[5], -1), (CASES[6], -1), (CASES[5], 8), (CASES[2], 2)],
-    ids=["edges_l2_h0", "gva3_strong", "long_doc_cut", "empty_docs", "long_doc_grid8", "pack_gva2_grid2"],
-)
-def test_wgmma_reverse_walk_matches_fp64(ops, case, segment_chunks):
-    """The reverse walk's summaries and tape walk on the forward walk's CTA (reverse_walk =
-    1, wgmma; bwd_walk.h; not yet the default): every gradient within the contract against
-    FP64 under NaN poisoning, bitwise repeatable, and both value splits alike (value rows
-    never mix)."""
+@pytest.mark.parametrize("case, segment_chunks", [(CASES[5], 8), (CASES[2], 2)],
+                         ids=["long_doc_grid8", "pack_gva2_grid2"])
+def test_forced_cut_grids_match_fp64(ops, case, segment_chunks):
+    """Cut grids the plan does not choose for these shapes (segments of 8 and of 2 chunks:
+    many cuts, chains of many steps): every gradient within the contract against FP64
+    under NaN poisoning, bitwise repeatable, and both value splits alike."""
     inp = case.inputs("cuda")
     do, dht = _grad_inputs(inp, 21)
     run = lambda splits=-1: _bwd(ops, inp, case.l2norm, do, dht, segment_chunks=segment_chunks,  # noqa: E731
-                                 value_splits=splits, reverse_walk=1)
+                                 value_splits=splits)
     with poisoned_allocations():
         grads = run()
     ref = _reference_grads(inp, case.l2norm, do, dht)
     for name, x in zip(GRADS, grads):
         if name in ref:  # (no initial state: no dh0 to compare)
             acc = accuracy(x, ref[name])
-            record_accuracy(f"cuda gdn_bwd {name} (wgmma reverse walk)", acc)
+            record_accuracy(f"cuda gdn_bwd {name} (cut grid {segment_chunks})", acc)
             assert acc.ok, f"{case.id} grid {segment_chunks}: {name}: {acc}"
     for again in (run(), run(1), run(2)):
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
-
-
-def test_wgmma_reverse_walk_document_bits_alone_equal_packed(ops):
-    case = GdnCase("iso_wgmma", (65, 4100, 37), G=2, gate="slow", l2norm=True, initial_state=True)
-    inp = case.inputs("cuda")
-    do, dht = _grad_inputs(inp, 22)
-    packed = _bwd(ops, inp, True, do, dht, reverse_walk=1)
-    t0, t1 = 65, 65 + 4100
-    alone_inp = {n: (inp[n][t0:t1] if n not in ("initial_state", "cu_seqlens") else None) for n in inp}
-    alone_inp["initial_state"] = inp["initial_state"][1:2]
-    alone_inp["cu_seqlens"] = torch.tensor([0, t1 - t0], dtype=inp["cu_seqlens"].dtype, device="cuda")
-    alone = _bwd(ops, alone_inp, True, do[t0:t1].contiguous(), dht[1:2].contiguous(), reverse_walk=1)
-    for name, p, a in zip(("dq", "dk", "dv", "dg", "dbeta"), packed[:5], alone[:5]):
-        assert torch.equal(p[t0:t1], a), name
-    assert torch.equal(packed[5][1:2], alone[5])
 
 
 def test_document_bits_alone_equal_packed(ops):

@@ -1,5 +1,6 @@
-"""The CUDA reverse walk of the GDN backward (``torch.ops.cake_cuda.gdn_bwd_walk``,
-csrc/gdn/bwd_walk.cu) on the GPU, against the PyTorch chunked backward's walk
+"""The CUDA reverse walk of the GDN backward (``torch.ops.cake_cuda.gdn_bwd_walk``, uncut:
+csrc/gdn/bwd_chain.cu launching the forward walk's CTA in its reverse mode,
+csrc/gdn/fwd_walk_reverse.cuh) on the GPU, against the PyTorch chunked backward's walk
 (``cake_ops.pytorch.gdn.walk_tapes``, fp32) from the same prep (A diag(beta), gcum and
 the log2 inverse row norms of ``pytorch_gdn.prepare``): the dS tape (transposed) on the
 used chunk slots, dv_new ([T, HV, 128], dv's layout: every token's row), dh0; under
@@ -78,10 +79,10 @@ def walk_inputs(case: GdnCase, dht: bool, device="cuda", seed=0, scale=128**-0.5
     )
 
 
-def call(ops, w: dict):
+def call(ops, w: dict, value_splits=-1):
     return ops.gdn_bwd_walk(
         w["q"], w["k"], w["do"], w["a"], w["gcum"], w["qk_lrn"], w["dht"], w["chunk_offsets"], w["cu_seqlens"],
-        w["HV"], w["scale"],
+        w["HV"], w["scale"], value_splits,
     )
 
 
@@ -124,12 +125,24 @@ def check_against_reference(out, w, label):
     assert not failures, f"{label}: " + "; ".join(failures)
 
 
+@pytest.mark.parametrize("splits", [1, 2], ids=["whole", "split"])
 @pytest.mark.parametrize("case,dht", CASES, ids=IDS)
-def test_bwd_walk_matches_pytorch(ops, case, dht):
+def test_bwd_walk_matches_pytorch(ops, case, dht, splits):
+    """Each walk on one CTA (both state warpgroups) and split by value columns over two."""
     w = walk_inputs(case, dht)
     with poisoned_allocations():
-        out = call(ops, w)
-    check_against_reference(out, w, case.id)
+        out = call(ops, w, splits)
+    check_against_reference(out, w, f"{case.id}, value_splits={splits}")
+
+
+def test_bwd_walk_value_splits_same_bits(ops):
+    """Value columns never mix: a column's result is the same instructions on either CTA."""
+    case = GdnCase("pack_h2_g3_slow_l2", PACK, H=2, G=3, gate="slow", l2norm=True)
+    w = walk_inputs(case, True)
+    used = w["used"]
+    whole, split = call(ops, w, 1), call(ops, w, 2)
+    assert torch.equal(whole[0][:used], split[0][:used])
+    assert torch.equal(whole[1], split[1]) and torch.equal(whole[2], split[2])
 
 
 def test_bwd_walk_scale(ops):
@@ -222,3 +235,5 @@ def test_bwd_walk_rejects_bad_arguments(ops):
     bad(HV=3, match="do must be")
     bad(scale=math.inf, match="scale must be finite")
     bad(q=w["q"].float(), match="q must be bfloat16")
+    with pytest.raises(RuntimeError, match="value_splits must be"):
+        call(ops, w, 3)

@@ -23,7 +23,7 @@ REVISIONS = {
                 "cake_ops/bench/__init__.py", "meta/__init__.py", "meta/gdn.py", "tests/conftest.py",
                 "tests/cuda/test_gdn_fwd_cuda.py"],
     "no_gdn_tests": ["csrc/gdn/fwd.cu", "cake_ops/build.py", "meta/__init__.py", "tests/conftest.py"],
-    "with_bwd": ["csrc/gdn/fwd.cu", "csrc/gdn/bwd_walk.cu", "cake_ops/build.py", "meta/__init__.py",
+    "with_bwd": ["csrc/gdn/fwd.cu", "csrc/gdn/bwd_chain.cu", "cake_ops/build.py", "meta/__init__.py",
                  "tests/conftest.py", "tests/cuda/test_gdn_bwd_cuda.py", "tests/cuda/test_gdn_bwd_walk_cuda.py"],
 }
 # The checkout's own, uncommitted tree, to be put back after a run.
