@@ -24,25 +24,22 @@
 
 #include "common/varlen.cuh"
 #include "gdn/bwd_walk.h"
+#include "gdn/chain_step.cuh"
 #include "gdn/chunks.cuh"
 #include "gdn/gdn.h"
 
 namespace cake {
 namespace {
 
-constexpr int kChainCols = 16;                     // value columns per chain CTA: four float4
-constexpr int kChainTiles = kGdnHeadDim / kChainCols;       // chain CTAs per (document, value head)
-
 // Per (document with cuts, value head, 16 value columns), from its last segment down:
 // seg_grad[cut after s] <- dS_end(s) (bwd_walk.h). Launched per inner segment; the CTAs
 // of a document's last inner segment run its chain, the others return.
 __global__ void __launch_bounds__(kGdnHeadDim) gdn_bwd_chain_kernel(const GdnBwdWalkArgs p) {
-  constexpr int kQuads = kChainCols / 4;
-  __shared__ float4 tile[kGdnHeadDim][kQuads];  // dS_end(s + 1) restricted to the CTA's columns
-  const int64_t i = blockIdx.x / (p.HV * kChainTiles);
+  __shared__ float4 tile[kGdnHeadDim][kGdnChainQuads];  // dS_end(s + 1) restricted to the CTA's columns
+  const int64_t i = blockIdx.x / (p.HV * kGdnChainTiles);
   if (i >= p.seg_offsets[p.N] - p.N) return;
-  const int64_t hv = blockIdx.x / kChainTiles % p.HV;
-  const int col = static_cast<int>(blockIdx.x % kChainTiles) * kChainCols;
+  const int64_t hv = blockIdx.x / kGdnChainTiles % p.HV;
+  const int col = static_cast<int>(blockIdx.x % kGdnChainTiles) * kGdnChainCols;
   const int64_t slot = inner_segment_slot(p.seg_offsets, p.N, i);
   const int64_t n = slot - i;  // documents before n have seg_offsets[n] - n inner segments
   const int32_t first = p.seg_offsets[n];
@@ -55,37 +52,25 @@ __global__ void __launch_bounds__(kGdnHeadDim) gdn_bwd_chain_kernel(const GdnBwd
   {
     const float4* e = reinterpret_cast<const float4*>(p.dht + (n * p.HV_stride + hv) * kMat + k * kGdnHeadDim + col);
 #pragma unroll
-    for (int q = 0; q < kQuads; ++q) tile[k][q] = p.dht != nullptr ? e[q] : make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int q = 0; q < kGdnChainQuads; ++q) tile[k][q] = p.dht != nullptr ? e[q] : make_float4(0.f, 0.f, 0.f, 0.f);
   }
   for (int s = nseg - 2; s >= 0; --s) {
     const int64_t at = (inner0 + s) * p.HV + hv;
     float4* g = reinterpret_cast<float4*>(p.seg_grad + at * kMat + k * kGdnHeadDim + col);
-    float4 acc[kQuads];
+    float4 acc[kGdnChainQuads];
 #pragma unroll
-    for (int q = 0; q < kQuads; ++q) acc[q] = g[q];
+    for (int q = 0; q < kGdnChainQuads; ++q) acc[q] = g[q];
     if (p.seg_exact[at]) {  // the same flag for the whole CTA
-      const float* mt = p.seg_transfer + at * kMat + k;  // row k of M^T's matrix, element j at mt[j D]
-      float mrow[kGdnHeadDim];
-#pragma unroll
-      for (int j = 0; j < kGdnHeadDim; ++j) mrow[j] = mt[j * kGdnHeadDim];
+      float mrow[kGdnHeadDim];  // row k of M^T's matrix
+      load_transfer_row(mrow, p.seg_transfer + at * kMat + k);
       __syncthreads();  // the tile holds dS_end(s + 1)
-#pragma unroll
-      for (int j = 0; j < kGdnHeadDim; ++j) {
-#pragma unroll
-        for (int q = 0; q < kQuads; ++q) {
-          const float4 t = tile[j][q];
-          acc[q].x = fmaf(mrow[j], t.x, acc[q].x);
-          acc[q].y = fmaf(mrow[j], t.y, acc[q].y);
-          acc[q].z = fmaf(mrow[j], t.z, acc[q].z);
-          acc[q].w = fmaf(mrow[j], t.w, acc[q].w);
-        }
-      }
+      chain_fma(acc, mrow, tile);
     }
 #pragma unroll
-    for (int q = 0; q < kQuads; ++q) g[q] = acc[q];
+    for (int q = 0; q < kGdnChainQuads; ++q) g[q] = acc[q];
     __syncthreads();  // every thread has read dS_end(s + 1)
 #pragma unroll
-    for (int q = 0; q < kQuads; ++q) tile[k][q] = acc[q];
+    for (int q = 0; q < kGdnChainQuads; ++q) tile[k][q] = acc[q];
   }
 }
 
@@ -96,7 +81,7 @@ cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
   if (p.inner_slots > 0) {
     const cudaError_t err = gdn_bwd_reverse_summary_launch(p, stream);
     if (err != cudaSuccess) return err;
-    gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kChainTiles), kGdnHeadDim, 0, stream>>>(p);
+    gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kGdnChainTiles), kGdnHeadDim, 0, stream>>>(p);
     const cudaError_t launched = cudaGetLastError();
     if (launched != cudaSuccess) return launched;
   }

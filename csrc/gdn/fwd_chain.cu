@@ -20,23 +20,21 @@
 //   row k = lane's element i are one 128-byte line (loading rows directly, a float4 per
 //   lane, costs 32 L1 wavefronts a load).
 
+#include "gdn/chain_step.cuh"
 #include "gdn/gdn.h"
 #include "gdn/plan.h"
 
 namespace cake {
 namespace {
 
-constexpr int kChainCols = 16;                                  // value columns per CTA: four float4
-constexpr int kChainTiles = kGdnHeadDim / kChainCols;           // CTAs per (document, value head)
 constexpr int kChainThreads = kGdnHeadDim;                      // thread k owns row k
 
 __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnFwdArgs p) {
-  constexpr int kQuads = kChainCols / 4;
-  __shared__ float4 tile[kGdnHeadDim][kQuads];  // S_start(s) restricted to the CTA's columns
-  const int32_t n = p.chain_docs[blockIdx.x / (p.HV * kChainTiles)];
+  __shared__ float4 tile[kGdnHeadDim][kGdnChainQuads];  // S_start(s) restricted to the CTA's columns
+  const int32_t n = p.chain_docs[blockIdx.x / (p.HV * kGdnChainTiles)];
   if (n < 0) return;  // past the documents with a chain
-  const int64_t hv = blockIdx.x / kChainTiles % p.HV;
-  const int col = static_cast<int>(blockIdx.x % kChainTiles) * kChainCols;
+  const int64_t hv = blockIdx.x / kGdnChainTiles % p.HV;
+  const int col = static_cast<int>(blockIdx.x % kGdnChainTiles) * kGdnChainCols;
   const int32_t first = p.seg_offsets[n];
   const int nseg = p.seg_offsets[n + 1] - first;
   if (nseg <= 2) return;  // S_start(1) = E_0 is in place already
@@ -51,41 +49,29 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
   {
     const float4* e0 = reinterpret_cast<const float4*>(state + k * kGdnHeadDim + col);
 #pragma unroll
-    for (int q = 0; q < kQuads; ++q) tile[k][q] = e0[q];
+    for (int q = 0; q < kGdnChainQuads; ++q) tile[k][q] = e0[q];
   }
   for (int s = 1; s + 1 < nseg; ++s) {
     const float4* e = reinterpret_cast<const float4*>(state + s * step + k * kGdnHeadDim + col);
-    float4 acc[kQuads];
+    float4 acc[kGdnChainQuads];
 #pragma unroll
-    for (int q = 0; q < kQuads; ++q) acc[q] = e[q];
+    for (int q = 0; q < kGdnChainQuads; ++q) acc[q] = e[q];
     // A truncated cut (the same flag for the whole CTA): S_start(s + 1) = E_s, in place.
     if (p.seg_exact[(inner + s) * p.HV + hv]) {
       // Row k of M_s (column k of M_s^T), all loads in flight at once: a step then costs
       // one L2 round trip plus its FMAs.
-      const float* mt = transfer + s * step + k;
       float mrow[kGdnHeadDim];
-#pragma unroll
-      for (int i = 0; i < kGdnHeadDim; ++i) mrow[i] = mt[i * kGdnHeadDim];
+      load_transfer_row(mrow, transfer + s * step + k);
       __syncthreads();  // the tile holds S_start(s)
-#pragma unroll
-      for (int i = 0; i < kGdnHeadDim; ++i) {
-#pragma unroll
-        for (int q = 0; q < kQuads; ++q) {
-          const float4 t = tile[i][q];
-          acc[q].x = fmaf(mrow[i], t.x, acc[q].x);
-          acc[q].y = fmaf(mrow[i], t.y, acc[q].y);
-          acc[q].z = fmaf(mrow[i], t.z, acc[q].z);
-          acc[q].w = fmaf(mrow[i], t.w, acc[q].w);
-        }
-      }
+      chain_fma(acc, mrow, tile);
       float4* out = reinterpret_cast<float4*>(state + s * step + k * kGdnHeadDim + col);
 #pragma unroll
-      for (int q = 0; q < kQuads; ++q) out[q] = acc[q];
+      for (int q = 0; q < kGdnChainQuads; ++q) out[q] = acc[q];
       __syncthreads();  // every thread has read S_start(s)
     }
     // (After a truncated step no thread reads the tile before the next exact step's barrier.)
 #pragma unroll
-    for (int q = 0; q < kQuads; ++q) tile[k][q] = acc[q];
+    for (int q = 0; q < kGdnChainQuads; ++q) tile[k][q] = acc[q];
   }
 }
 
@@ -93,7 +79,7 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
 
 cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.seg_chunks <= 0 || p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const int64_t blocks = gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks) * p.HV * kChainTiles;
+  const int64_t blocks = gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks) * p.HV * kGdnChainTiles;
   if (blocks == 0) return cudaSuccess;
   gdn_fwd_chain_kernel<<<static_cast<unsigned>(blocks), kChainThreads, 0, stream>>>(p);
   return cudaGetLastError();
