@@ -65,10 +65,13 @@ def _bwd(ops, inp, l2, do, dht, deterministic=True, segment_chunks=-1, value_spl
 
 
 def _reference_grads(inp, l2, do, dht):
-    ref = {n: inp[n].detach().cpu().double().requires_grad_() for n in LEAVES if inp[n] is not None}
-    o, ht = gdn_reference(*(ref[n] for n in LEAVES[:5]), inp["cu_seqlens"].cpu(),
+    """The FP64 reference's gradients, computed on the inputs' device (the token loop's
+    small ops are launch-bound there, where the CPU took tens of seconds for a long
+    document)."""
+    ref = {n: inp[n].detach().double().requires_grad_() for n in LEAVES if inp[n] is not None}
+    o, ht = gdn_reference(*(ref[n] for n in LEAVES[:5]), inp["cu_seqlens"],
                           initial_state=ref.get("initial_state"), use_qk_l2norm=l2)
-    torch.autograd.backward([o, ht], [do.cpu().double(), dht.cpu().double()])
+    torch.autograd.backward([o, ht], [do.double(), dht.double()])
     return {d: ref[n].grad for d, n in zip(GRADS, LEAVES) if n in ref}
 
 
