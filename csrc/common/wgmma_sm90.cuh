@@ -102,6 +102,19 @@ __device__ __forceinline__ void mma_rs_m64n64k16(float (&d)[32], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(kTransB));
 }
 
+// d = A B, m64n64, a fresh product of kSteps k16 steps: A's fragments a[ks], B the SW128
+// tile of 64 K-rows at `tile` (K-major, or MN-major for kTransB). d is zeroed (the asm reads
+// its registers) and the first step overwrites it. Fences, then issues; the caller commits.
+template <int kTransB, int kSteps>
+__device__ __forceinline__ void mma_rs_m64n64_fresh(float (&d)[32], const uint32_t (&a)[kSteps][4], uint32_t tile) {
+#pragma unroll
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+    mma_rs_m64n64k16<kTransB>(d, a[ks], kTransB ? desc_mn_major(tile, 64, ks) : desc_k_major(tile, 64, ks), ks > 0);
+}
+
 // d[0..63] (+)= A (registers) * B (shared, descriptor b): m64n128k16, bf16 -> fp32.
 template <int kTransB>
 __device__ __forceinline__ void mma_rs_m64n128k16(float (&d)[64], const uint32_t (&a)[4], uint64_t b, int accumulate) {

@@ -78,11 +78,7 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
     uint32_t sfrag[8][4];
     wgmma::to_a_frags(sfrag, s);
     float y[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) y[i] = 0.f;
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(y, sfrag[ks], wgmma::desc_k_major(sk, 64, ks), ks > 0);
+    wgmma::mma_rs_m64n64_fresh<0>(y, sfrag, sk);
     wgmma::commit();
     if constexpr (kTapes) {
       __nv_bfloat16* ds_rows = static_cast<__nv_bfloat16*>(tapes.h) +
@@ -113,11 +109,7 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
 
     // (3) Group 3: X = dv_new^T (A diag(beta)): B[j][m] = a[j][m], the A tile MN-major.
     float x[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) x[i] = 0.f;
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<1>(x, dvfrag[ks], wgmma::desc_mn_major(sa, 64, ks), ks > 0);
+    wgmma::mma_rs_m64n64_fresh<1>(x, dvfrag, sa);
     wgmma::commit();
     // do^T diag(outq) in place of do^T (its product with P~ is done): fp32, rounded once more.
     mma::scale_token_frags(dofrag, gs + kGOutQ, t4);

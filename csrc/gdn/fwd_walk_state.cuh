@@ -161,11 +161,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
     uint32_t wfrag[4][4];
     wgmma::to_a_frags(wfrag, u);
     float x[32];
-#pragma unroll
-    for (int i = 0; i < 32; ++i) x[i] = 0.f;
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(x, wfrag[ks], wgmma::desc_k_major(sa, 64, ks), ks > 0);
+    wgmma::mma_rs_m64n64_fresh<0>(x, wfrag, sa);
     wgmma::commit();
 
     // (3) O^T columns (tokens i) scaled by scale e^gcum_i, once group 2 is done.
