@@ -120,12 +120,7 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
     mma::scale_columns(x, gs + kGDecayK, t4);
     uint32_t xfrag[4][4];
     wgmma::to_a_frags(xfrag, x);
-    const float gamma = gs[kGGamma];  // e^gl
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] *= gamma;
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s, xfrag[ks], wgmma::desc_mn_major(sk, 64, ks), 1);
+    decay_and_update(s, gs[kGGamma], xfrag, sk);  // gamma = e^gl
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s, dofrag[ks], wgmma::desc_mn_major(sq, 64, ks), 1);
     wgmma::commit();

@@ -84,6 +84,17 @@ __device__ __forceinline__ void end_state(const float (&s)[64], float* S_end, bo
 // nullptr: zeros; identity: the K x K identity), to S_end (same layout, or transposed
 // when identity: M_s^T, the layout the chain reads). first_slot: the segment's first
 // chunk slot (tape mode: where its tapes go, in `tapes`).
+// The state's update of a chunk, in both directions: s <- gamma s, then the first of its
+// products issued, s += A K (four k16 steps; A's fragments a[ks], K MN-major at sk). The
+// caller may issue more onto s before it commits.
+__device__ __forceinline__ void decay_and_update(float (&s)[64], float gamma, const uint32_t (&a)[4][4], uint32_t sk) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) s[i] *= gamma;
+  wgmma::fence();
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s, a[ks], wgmma::desc_mn_major(sk, 64, ks), 1);
+}
+
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigned char* smem, uint32_t load_bar,
                                                 int wg, int vh, int64_t hv, int64_t seg_start, int64_t doc_end, int nch,
@@ -180,13 +191,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
     mma::scale_columns(x, gs + kGTailK, t4);
     uint32_t xtfrag[4][4];
     wgmma::to_a_frags(xtfrag, x);
-    const float gamma = gs[kGGamma];  // e^gl
-#pragma unroll
-    for (int i = 0; i < 64; ++i) s[i] *= gamma;
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_rs_m64n128k16<1>(s, xtfrag[ks], wgmma::desc_mn_major(sk, 64, ks), 1);
+    decay_and_update(s, gs[kGGamma], xtfrag, sk);  // gamma = e^gl
     wgmma::commit();
     if (kStateWgs == 2 && c == 0 && wg == 0) mma::bar_arrive(kBarStagger, 256);
     if constexpr (kOutput) {
