@@ -165,18 +165,16 @@ int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic) {
 }
 
 int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int seg_chunks, int seg_long_max,
-                               int sm_count) {
-  if (N <= 0 || T <= 0 || sm_count <= 0) return 1;
+                               int sm_count, int64_t workspace_bytes) {
+  if (N <= 0 || T <= 0 || sm_count <= 0 || H % kGdnMaxHeadSlices != 0) return 1;
+  if (workspace_bytes > kGdnBwdSliceBytes) return kGdnMaxHeadSlices;
   // The documents taken as equally long: segments of `len` chunks, `steps` chunk steps a SM.
   const double chunks = std::ceil(static_cast<double>(T) / kGdnChunk / static_cast<double>(N));
   const int grid = seg_chunks > 0 ? doc_cut_chunks(static_cast<int>(chunks), seg_chunks, seg_long_max) : 0;
   const double len = grid > 0 ? std::min<double>(chunks, grid) : chunks;
   const double steps = static_cast<double>(N) * chunks * static_cast<double>(HV) / sm_count;
   auto walk_time = [&](int s) { return s * std::ceil(steps / s / len) * len; };
-  int best = 1;
-  for (int s = 2; s <= kGdnMaxHeadSlices; s *= 2)
-    if (H % s == 0 && walk_time(s) <= walk_time(1)) best = s;
-  return best;
+  return walk_time(kGdnMaxHeadSlices) <= walk_time(1) ? kGdnMaxHeadSlices : 1;
 }
 
 namespace {
@@ -256,25 +254,30 @@ GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_
                           int sm_count, int segment_chunks, int value_splits, int head_slices, bool kept_tapes) {
   // The forward's grid, chosen for all HV heads (so a slice walks as the forward did).
   const GdnPlan whole = gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, segment_chunks, 1);
-  const int slices = kept_tapes ? 1
-                     : head_slices > 0
-                         ? head_slices
-                         : gdn_bwd_choose_head_slices(T, N, H, HV, whole.seg_chunks, whole.seg_long_max, sm_count);
-  assert(slices >= 1 && H % slices == 0);
-  GdnPlan p = plan_for_grid(T, N, H / slices, HV / slices, use_qk_l2norm, sm_count, whole.seg_chunks,
-                            whole.seg_long_max, value_splits, /*with_tapes=*/true, /*chunks_apart=*/kept_tapes);
-  p.head_slices = slices;
-  p.backward = true;
-  constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2;
-  constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
-  const int64_t beside = kept_tapes ? 0 : p.inner_slots * p.HV;  // cuts of a reverse walk run beside the recompute
-  Carve c{p.ws.bytes};
-  p.ws.dS_tape = c.take(p.chunk_slots * p.HV * kStateTile);
-  p.ws.bwd_seg_grad = c.take(beside * kMatBytes);
-  p.ws.bwd_seg_transfer = c.take(beside * kMatBytes);
-  p.ws.bwd_seg_exact = c.take(beside * 4);
-  p.ws.bytes = c.bytes;
-  return p;
+  auto sliced = [&](int slices) {
+    GdnPlan p = plan_for_grid(T, N, H / slices, HV / slices, use_qk_l2norm, sm_count, whole.seg_chunks,
+                              whole.seg_long_max, value_splits, /*with_tapes=*/true, /*chunks_apart=*/kept_tapes);
+    p.head_slices = slices;
+    p.backward = true;
+    constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2;
+    constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
+    const int64_t beside = kept_tapes ? 0 : p.inner_slots * p.HV;  // cuts of a reverse walk run beside the recompute
+    Carve c{p.ws.bytes};
+    p.ws.dS_tape = c.take(p.chunk_slots * p.HV * kStateTile);
+    p.ws.bwd_seg_grad = c.take(beside * kMatBytes);
+    p.ws.bwd_seg_transfer = c.take(beside * kMatBytes);
+    p.ws.bwd_seg_exact = c.take(beside * 4);
+    p.ws.bytes = c.bytes;
+    return p;
+  };
+  if (kept_tapes) return sliced(1);
+  if (head_slices > 0) {
+    assert(H % head_slices == 0);
+    return sliced(head_slices);
+  }
+  const GdnPlan one = sliced(1);
+  const int slices = gdn_bwd_choose_head_slices(T, N, H, HV, whole.seg_chunks, whole.seg_long_max, sm_count, one.ws.bytes);
+  return slices == 1 ? one : sliced(slices);
 }
 
 void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a, void* chunk_block) {

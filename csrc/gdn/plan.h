@@ -126,15 +126,18 @@ GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_
 // The backward runs its stages on one head slice at a time: H / head_slices q/k heads
 // and their value heads, in one workspace of that slice's size (docs/kernels.md,
 // "Head slices"). Each head's work is the same instructions in any slice, so the bits do
-// not depend on the slicing. The rule: up to kGdnMaxHeadSlices slices dividing H, where
-// the walks (segments of a document's grid, each one SM's serial chain) fill as many
-// whole rounds of segment walks on sm_count SMs in all as unsliced, the documents taken
-// as equally long; else 1. Fewer heads per launch cost the walks a round wherever their
-// last round was partly filled (s32k_h16: 1.15x the backward's time at 2 slices), and
-// every launch its tail, so 2 at most (s64k_h16: 1.02x at 2, 1.05x at 4).
+// not depend on the slicing. The rule: 2 slices where H is even and either the unsliced
+// workspace (workspace_bytes) exceeds kGdnBwdSliceBytes, or the walks (segments of a
+// document's grid, each one SM's serial chain) fill as many whole rounds of segment walks
+// on sm_count SMs in all as unsliced, the documents taken as equally long; else 1. Fewer
+// heads per launch cost the walks a round wherever their last round was partly filled,
+// and every launch its tail: measured 1.04x the backward's time at 2 slices where the
+// workspace is 2.3 GiB (s32k_h16, s256k_h2) for 1.2 GiB less memory, 1.02x at s64k_h16;
+// 4 slices cost more (1.05x at s64k_h16), so 2 at most.
 constexpr int kGdnMaxHeadSlices = 2;
+constexpr int64_t kGdnBwdSliceBytes = int64_t{1} << 30;
 int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int seg_chunks, int seg_long_max,
-                               int sm_count);
+                               int sm_count, int64_t workspace_bytes);
 // The backward's plan: the forward's cut grid for the same arguments (chosen for all HV
 // heads, so its recompute walks as the forward did) with the backward's workspace pieces
 // added, laid out for one head slice. head_slices: -1 lets the plan choose
