@@ -64,10 +64,7 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
   for (int c = 0; c < nch; ++c) {
     const int stage = c % kStages;
     const int ch = nch - 1 - c;  // the segment's chunk of this step
-    mma::bar_sync(kBarFull + 7 * wg + stage, 256);  // chunk ch, its P~ and gate vectors are in
-    tma::mbar_wait(load_bar + 8 * stage, (c / kStages) & 1);
-    if (kStateWgs == 2 && c == 0 && wg == 1) mma::bar_sync(kBarStagger, 256);
-    unsigned char* st = smem + stage * kStageBytes;
+    unsigned char* st = enter_stage<kStateWgs>(smem, load_bar, c, wg);  // chunk ch
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     const uint32_t sdo = mma::smem_addr(st + kVOff), sa = mma::smem_addr(st + kAOff);
     const uint32_t sp = mma::smem_addr(st + kPOff);

@@ -95,6 +95,19 @@ __device__ __forceinline__ void decay_and_update(float (&s)[64], float gamma, co
   for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s, a[ks], wgmma::desc_mn_major(sk, 64, ks), 1);
 }
 
+// A state warpgroup's step c: waits until the stage's tiles, P~ and gate vectors are in
+// (the aux warpgroup's barrier, then the TMA's mbarrier, which also orders its writes for
+// this thread; on the first step warpgroup 1 waits for warpgroup 0's stagger) and returns
+// the stage. The same for the forward and the reverse walk.
+template <int kStateWgs>
+__device__ __forceinline__ unsigned char* enter_stage(unsigned char* smem, uint32_t load_bar, int c, int wg) {
+  const int stage = c % kStages;
+  mma::bar_sync(kBarFull + 7 * wg + stage, 256);
+  tma::mbar_wait(load_bar + 8 * stage, (c / kStages) & 1);
+  if (kStateWgs == 2 && c == 0 && wg == 1) mma::bar_sync(kBarStagger, 256);
+  return smem + stage * kStageBytes;
+}
+
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigned char* smem, uint32_t load_bar,
                                                 int wg, int vh, int64_t hv, int64_t seg_start, int64_t doc_end, int nch,
@@ -119,10 +132,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
 
   for (int c = 0; c < nch; ++c) {
     const int stage = c % kStages;
-    mma::bar_sync(kBarFull + 7 * wg + stage, 256);  // chunk c, its P~ and gate vectors are in
-    tma::mbar_wait(load_bar + 8 * stage, (c / kStages) & 1);  // (done: orders the TMA writes for this thread)
-    if (kStateWgs == 2 && c == 0 && wg == 1) mma::bar_sync(kBarStagger, 256);
-    unsigned char* st = smem + stage * kStageBytes;
+    unsigned char* st = enter_stage<kStateWgs>(smem, load_bar, c, wg);  // chunk c
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     const uint32_t sv = mma::smem_addr(st + kVOff), sa = mma::smem_addr(st + kAOff);
     const uint32_t sp = mma::smem_addr(st + kPOff);
