@@ -50,6 +50,14 @@ __host__ __device__ constexpr uint32_t k_major_step(int rows, int s) {
 }
 __host__ __device__ constexpr uint32_t mn_major_step(int s) { return static_cast<uint32_t>((s * 16 * 128) >> 4); }
 
+// d advanced by `step` descriptor units. The start-address field takes it without a carry
+// out (above), so only the low word changes: the high word (offsets, swizzle) stays a value
+// the compiler knows, and the step is one 32-bit add instead of a 64-bit carry chain and a
+// move of both words to uniform registers per wgmma.
+__host__ __device__ constexpr uint64_t desc_add(uint64_t d, uint32_t step) {
+  return (d & 0xffffffff00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d) + step);
+}
+
 // Step 0 of a K-major SW128 tile at `tile`; of an MN-major one (rows = K) with `rows` rows.
 __device__ __forceinline__ uint64_t desc_k_major(uint32_t tile) { return desc_sw128(tile, 16, 1024); }
 __device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows) {

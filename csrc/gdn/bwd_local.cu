@@ -29,7 +29,7 @@
 //   (the triangular operands A, dPs, dkk hold zeros above the diagonal). Its accumulator
 //   rows are warp rb's 16, so the elementwise code reads them as the mma.sync fragments
 //   they are, and moves such fragments to and from the tiles with ldmatrix / stmatrix.
-//   The tiles, staged by cp.async or stmatrix, are in the SW128 layout (swizzle.cuh),
+//   The tiles, staged by TMA or stmatrix, are in the SW128 layout (swizzle.cuh),
 //   which wgmma reads in both majors: the operand a product needs transposed (A^T, dPs^T,
 //   dkk^T on the left; S^T, k, q, dw, dv_new on the right) is read MN-major. Padding
 //   tokens are zero-filled, so they contribute 0.
@@ -44,6 +44,10 @@
 //   (A and dw trade places from head to head), so it lands under the second half of
 //   phase 2 while that still reads the current A (on the last head: the raw q, k rows for
 //   the norm's backward).
+// - Loads by TMA from one thread (common/tma_sm90.cuh), 13 boxes a value head on one
+//   mbarrier whose phase flips per head, rows past a ragged chunk's end zeroed after the
+//   wait: issued as per-thread cp.async they cost 7 % of the kernel's issue samples (their
+//   address arithmetic, and stalls on the load queue; ncu, docs/experiments.md).
 // - Exponents are differences of chunk-local cumsums, selected to 0 above the diagonal
 //   (no inf, no NaN); row sums go through fixed shuffle trees and per-warp slots summed in
 //   a fixed order: the same bits run to run, and a document's bits do not depend on its
@@ -53,6 +57,7 @@
 
 #include "common/mma_sm80.cuh"
 #include "common/swizzle.cuh"
+#include "common/tma_sm90.cuh"
 #include "common/wgmma_sm90.cuh"
 #include "gdn/bwd_local.h"
 #include "gdn/chunks.cuh"
@@ -106,12 +111,18 @@ constexpr int kVColL = kVColP + 4 * C;
 constexpr int kVDot = kVColL + 4 * C;    // [8] per warp: sum(dS^T o S^T)
 constexpr int kVGamma = kVDot + 8;
 constexpr int kVecFloats = kVGamma + 8;
-constexpr int kSmemBytes = kVec + kVecFloats * 4;
+constexpr int kBar = kVec + kVecFloats * 4;  // the loads' mbarrier (8 bytes)
+constexpr int kSmemBytes = kBar + 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA an SM");
 static_assert(kK % 1024 == 0 && kDo % 1024 == 0 && kVn % 1024 == 0 && kV % 1024 == 0 && kDvn % 1024 == 0 &&
                   kHT % 1024 == 0 && kDS % 1024 == 0 && kADw % 1024 == 0 && kATile % 1024 == 0 && kDPs % 1024 == 0,
               "SW128 tiles start 1024-byte aligned");
-static_assert(kDA % 16 == 0 && kVec % 16 == 0, "aligned regions");
+static_assert(kDA % 16 == 0 && kVec % 16 == 0 && kBar % 8 == 0, "aligned regions");
+
+// Bytes the TMA loads bring: a value head's tiles but A; A; q and k (or their raw rows).
+constexpr uint32_t kHeadBytes = 4 * kRowTile + 2 * D * D * 2;
+constexpr uint32_t kABytes = kATile;
+constexpr uint32_t kQKBytes = 2 * kRowTile;
 
 // Head j's A and dw: even heads A, then dw; odd heads dw, then A (the last 8 KB).
 __device__ __forceinline__ int a_at(int j) { return kADw + (j & 1) * 2 * kATile; }
@@ -205,8 +216,8 @@ __device__ __forceinline__ void wg_issue(float (&acc)[NT][4], uint64_t da, uint6
 #pragma unroll
   for (int s = 0; s < kSteps; ++s) {
     const int accumulate = overwrite && s == 0 ? 0 : 1;
-    const uint64_t a = da + (kTransA ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
-    const uint64_t b = db + (kTransB ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
+    const uint64_t a = wgmma::desc_add(da, kTransA ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
+    const uint64_t b = wgmma::desc_add(db, kTransB ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
     if constexpr (NT == 8) wgmma::mma_ss_m64n64k16<kTransA, kTransB>(d, a, b, accumulate);
     else wgmma::mma_ss_m64n32k16<kTransA, kTransB>(d, a, b, accumulate);
   }
@@ -291,25 +302,6 @@ __device__ __forceinline__ void store_col_sums(float (&cs)[NT][2], float* dst, i
   }
 }
 
-// ROWS rows of RC 16-byte chunks from base + r * stride (elements) into an SW128 tile;
-// rows r >= valid are zero-filled (and read nothing). A thread's rows differ by multiples
-// of 8, so its swizzled chunk is one for all of them: one shared address and constant
-// steps, formed at each call (opaque_tid).
-template <int RC, int ROWS>
-__device__ __forceinline__ void load_tile(unsigned char* tile, const __nv_bfloat16* base, int64_t stride, int valid) {
-  constexpr int kPassRows = kThreads / RC;
-  static_assert(kPassRows % 8 == 0, "passes of whole swizzle periods");
-  const int tid = opaque_tid();
-  const int r0 = tid / RC, c = tid % RC;
-  const uint32_t dst = mma::smem_addr(tile + sw128_offset(ROWS, r0, c));
-  const __nv_bfloat16* src = base + r0 * stride + c * 8;
-#pragma unroll
-  for (int it = 0; it < ROWS / kPassRows; ++it) {
-    const bool real = r0 + it * kPassRows < valid;
-    mma::cp_async_16(dst + it * kPassRows * 128, real ? src + it * kPassRows * stride : base, real);
-  }
-}
-
 // Rows r < valid of an SW128 64 x 128 bf16 tile to base + r * stride, 16-byte stores.
 __device__ __forceinline__ void store_tile(const unsigned char* tile, __nv_bfloat16* base, int64_t stride, int valid) {
   constexpr int kPassRows = kThreads / 16;
@@ -323,22 +315,41 @@ __device__ __forceinline__ void store_tile(const unsigned char* tile, __nv_bfloa
       mma::st_global_16(dst + it * kPassRows * stride, *reinterpret_cast<const uint4*>(src + it * kPassRows * 128));
 }
 
-// A value head's tiles but A, requested under the previous head's phase 2: do, v_new,
-// S^T, dS^T, v, dv_new.
-__device__ __forceinline__ void load_head(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv,
-                                          int64_t t0, int len) {
-  const int64_t tape = slot * p.HV + hv;
-  load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.dout) + (t0 * p.HV_stride + hv) * D, p.HV_stride * D, len);
-  load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.v_new) + tape * C * D, D, len);
-  load_tile<16, D>(smem + kHT, static_cast<const __nv_bfloat16*>(p.h) + tape * D * D, D, D);
-  load_tile<16, D>(smem + kDS, static_cast<const __nv_bfloat16*>(p.ds) + tape * D * D, D, D);
-  load_tile<16, C>(smem + kV, static_cast<const __nv_bfloat16*>(p.v) + (t0 * p.HV_stride + hv) * D, p.HV_stride * D, len);
-  load_tile<16, C>(smem + kDvn, static_cast<const __nv_bfloat16*>(p.dv_new) + (t0 * p.HV_stride + hv) * D, p.HV_stride * D, len);
+// The tensor maps of the loads (encoded by the launch, bwd_local_maps): the [T, heads, 128]
+// inputs as (column, head, token) with 64 x 64 boxes, the tapes as (column, row, tile) with
+// boxes of one column block of a tile. Rows past T arrive as zeros.
+struct BwdLocalMaps {
+  CUtensorMap q, k, dout, v, dv_new, v_new, h, ds, a;
+};
+
+// One thread's TMA loads of a 64 x 128 tile at `dst` (two 64-column boxes): token rows t0 ..
+// of head `head` of a [T, heads, 128] tensor, or (tape) tile `head` of a [tiles, rows, 128] tape.
+template <int kRows = C>
+__device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, int head, int64_t t0, uint32_t bar,
+                                         bool tape = false) {
+  const int c1 = tape ? 0 : head, c2 = tape ? head : static_cast<int>(t0);
+  tma::load_box_3d(dst, map, 0, c1, c2, bar);
+  tma::load_box_3d(dst + kRows * 128, map, 64, c1, c2, bar);
 }
 
-// Head j's A (at a_at(j)), requested once the previous head's dv staging has been stored.
-__device__ __forceinline__ void load_a(const GdnBwdLocalArgs& p, unsigned char* smem, int64_t slot, int64_t hv, int j) {
-  load_tile<8, C>(smem + a_at(j), static_cast<const __nv_bfloat16*>(p.a) + (slot * p.HV + hv) * C * C, C, C);
+// A value head's tiles but A (do, v_new, S^T, dS^T, v, dv_new), by one thread, onto `bar`.
+__device__ __forceinline__ void load_head(const BwdLocalMaps& m, uint32_t s, uint32_t bar, int64_t tape, int hv,
+                                          int64_t t0) {
+  const int tile = static_cast<int>(tape);
+  tma_tile(s + kDo, &m.dout, hv, t0, bar);
+  tma_tile(s + kVn, &m.v_new, tile, 0, bar, true);
+  tma_tile<D>(s + kHT, &m.h, tile, 0, bar, true);
+  tma_tile<D>(s + kDS, &m.ds, tile, 0, bar, true);
+  tma_tile(s + kV, &m.v, hv, t0, bar);
+  tma_tile(s + kDvn, &m.dv_new, hv, t0, bar);
+}
+
+// A ragged chunk (its document's last): the rows r >= len of a 64 x 128 tile came from the
+// next document (or are zeros past T); they are zeroed, so that no other document's values
+// enter (they would meet only zero weights, but 0 * inf = NaN).
+__device__ __forceinline__ void zero_rows(unsigned char* tile, int len) {
+  for (int e = threadIdx.x; e < (C - len) * 16; e += kThreads)
+    *reinterpret_cast<uint4*>(tile + sw128_offset(C, len + e / 16, e % 16)) = make_uint4(0u, 0u, 0u, 0u);
 }
 
 // Token i's gate inputs of a value head, read from global memory a head ahead (by the
@@ -356,7 +367,8 @@ __device__ __forceinline__ TokenGates load_gates(const GdnBwdLocalArgs& p, int64
   return {gc[i], gc[C - 1], real ? load_beta(p.beta, p.beta_dtype, idx) : 0.f, real && p.g[idx] < kGdnGateFloor};
 }
 
-__global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwdLocalArgs p) {
+__global__ void __launch_bounds__(kThreads, 1)
+    gdn_bwd_local_kernel(const GdnBwdLocalArgs p, const __grid_constant__ BwdLocalMaps maps) {
   extern __shared__ __align__(1024) unsigned char smem[];
   float* vec = reinterpret_cast<float*>(smem + kVec);
 
@@ -401,11 +413,18 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 
   // Prologue: q, k and the first value head's tiles and gates in flight.
   const int64_t hv_first = static_cast<int64_t>(h) * G;
-  load_tile<16, C>(smem + kQ, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
-  load_tile<16, C>(smem + kK, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
-  load_head(p, smem, slot, hv_first, t0, len);
-  load_a(p, smem, slot, hv_first, 0);
-  mma::cp_async_commit();
+  // One mbarrier, one phase a value head (parity j & 1): thread 0 announces the phase's
+  // bytes with its first load; after the last head, phase G brings the raw q, k rows.
+  const uint32_t bar = sBase + kBar;
+  if (tid == 0) {
+    tma::mbar_init(bar, 1);
+    tma::fence_mbar_init();
+    tma::mbar_arrive_expect_tx(bar, kQKBytes + kHeadBytes + kABytes);
+    tma_tile(sQ, &maps.q, h, t0, bar);
+    tma_tile(sK, &maps.k, h, t0, bar);
+    load_head(maps, sBase, bar, slot * p.HV + hv_first, static_cast<int>(hv_first), t0);
+    tma::load_box_3d(sBase + a_at(0), &maps.a, 0, 0, static_cast<int>(slot * p.HV + hv_first), bar);
+  }
   TokenGates gates{};
   if (tid < C) gates = load_gates(p, slot, hv_first, t0, len, tid);
 
@@ -426,8 +445,18 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
       vec[kVFloor + i] = gates.floor ? 1.f : 0.f;
       if (i == 0) vec[kVGamma] = expf(gates.gl);
     }
-    mma::cp_async_wait_all();
-    wgmma::fence_proxy_async();
+    tma::mbar_wait(bar, j & 1);
+    if (len < C) {  // rows past the document's end (q, k once)
+      if (j == 0) {
+        zero_rows(smem + kQ, len);
+        zero_rows(smem + kK, len);
+      }
+      zero_rows(smem + kDo, len);
+      zero_rows(smem + kVn, len);
+      zero_rows(smem + kV, len);
+      zero_rows(smem + kDvn, len);
+    }
+    wgmma::fence_proxy_async();  // the zeros precede the wgmma reads and later TMA writes
     __syncthreads();
 
     if (j == 0 && p.use_qk_l2norm) {  // normalise q, k in place (bf16), keep 1 / |x| per row
@@ -633,13 +662,15 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
     }
 
     if (j + 1 < G) {
-      load_head(p, smem, slot, hv + 1, t0, len);
-      mma::cp_async_commit();
+      if (tid == 0) {
+        tma::mbar_arrive_expect_tx(bar, kHeadBytes + kABytes);
+        load_head(maps, sBase, bar, slot * p.HV + hv + 1, static_cast<int>(hv + 1), t0);
+      }
       if (tid < C) gates = load_gates(p, slot, hv + 1, t0, len, tid);
-    } else if (p.use_qk_l2norm) {  // the raw rows for the norm's backward
-      load_tile<16, C>(smem + kDo, static_cast<const __nv_bfloat16*>(p.q) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
-      load_tile<16, C>(smem + kVn, static_cast<const __nv_bfloat16*>(p.k) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
-      mma::cp_async_commit();
+    } else if (p.use_qk_l2norm && tid == 0) {  // the raw rows for the norm's backward
+      tma::mbar_arrive_expect_tx(bar, kQKBytes);
+      tma_tile(sDo, &maps.q, h, t0, bar);
+      tma_tile(sVn, &maps.k, h, t0, bar);
     }
 
     // ---- Phase 2: dL = -(A^T dA A^T).tril(-1), TF32 (m16n8k8: a0 (gid, t4), a1 (gid + 8, t4),
@@ -669,12 +700,11 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
         for (int v = 0; v < 2; ++v)
           *reinterpret_cast<float2*>(fA + (m0 + gid + 8 * v) * kFLd + j0 + 8 * nt + 2 * t4) =
               make_float2(round_tf32(x[nt][2 * v]), round_tf32(x[nt][2 * v + 1]));
+      wgmma::fence_proxy_async();  // dw's and dv's stores precede the next A's TMA write there
       __syncthreads();  // X complete (rounded to TF32, the next product's operand); dv stored
     }
-    if (j + 1 < G) {  // the next head's A, where this head's dw was
-      load_a(p, smem, slot, hv + 1, j + 1);
-      mma::cp_async_commit();
-    }
+    if (j + 1 < G && tid == 0)  // the next head's A, where this head's dw was
+      tma::load_box_3d(sBase + a_at(j + 1), &maps.a, 0, 0, static_cast<int>(slot * p.HV + hv + 1), bar);
     {  // Y = X A^T (Y_ij = sum_{m <= j} X_im A_jm), wanted for i > j only: m < min(j, i) + 1
       float y[4][4];
       zero(y);
@@ -788,7 +818,11 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 
   // dq, dk through the L2 norm's backward: d_raw = (d - x (d . x)) r, x = raw r (fp32).
   if (p.use_qk_l2norm) {
-    mma::cp_async_wait_all();
+    tma::mbar_wait(bar, G & 1);
+    if (len < C) {
+      zero_rows(smem + kDo, len);
+      zero_rows(smem + kVn, len);
+    }
     __syncthreads();
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
@@ -849,12 +883,34 @@ __global__ void __launch_bounds__(kThreads, 1) gdn_bwd_local_kernel(const GdnBwd
 
 }  // namespace
 
+// The loads' tensor maps for p's tensors (BwdLocalMaps): encoded on the host per call and
+// passed by value, so a captured CUDA graph replays them with the launch.
+cudaError_t bwd_local_maps(const GdnBwdLocalArgs& p, BwdLocalMaps& m) {
+  const uint64_t T = static_cast<uint64_t>(p.T), H = static_cast<uint64_t>(p.H), HV = static_cast<uint64_t>(p.HV);
+  // A head slice's tensors keep the full token rows' stride (H_stride, HV_stride).
+  const uint64_t row = D * 2, H_row = static_cast<uint64_t>(p.H_stride) * row, HV_row = static_cast<uint64_t>(p.HV_stride) * row;
+  const uint64_t tiles = static_cast<uint64_t>(gdn_fwd_chunk_slots(p.T, p.N)) * HV;
+  cudaError_t err = tma::encode_bf16_3d(&m.q, p.q, D, H, T, row, H_row, 64, 1, C);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.k, p.k, D, H, T, row, H_row, 64, 1, C);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.dout, p.dout, D, HV, T, row, HV_row, 64, 1, C);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v, p.v, D, HV, T, row, HV_row, 64, 1, C);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.dv_new, p.dv_new, D, HV, T, row, HV_row, 64, 1, C);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v_new, p.v_new, D, C, tiles, row, C * row, 64, C, 1);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.h, p.h, D, D, tiles, row, D * row, 64, D, 1);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.ds, p.ds, D, D, tiles, row, D * row, 64, D, 1);
+  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.a, p.a, C, C, tiles, C * 2, C * C * 2, 64, C, 1);
+  return err;
+}
+
 cudaError_t gdn_bwd_local_launch(const GdnBwdLocalArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.T == 0 || p.H == 0) return cudaSuccess;
   const int64_t blocks = gdn_fwd_chunk_slots(p.T, p.N) * p.H;
   cudaError_t err = cudaFuncSetAttribute(gdn_bwd_local_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
   if (err != cudaSuccess) return err;
-  gdn_bwd_local_kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p);
+  BwdLocalMaps maps;
+  err = bwd_local_maps(p, maps);
+  if (err != cudaSuccess) return err;
+  gdn_bwd_local_kernel<<<static_cast<unsigned>(blocks), kThreads, kSmemBytes, stream>>>(p, maps);
   return cudaGetLastError();
 }
 
