@@ -419,6 +419,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0) {
     tma::mbar_init(bar, 1);
     tma::fence_mbar_init();
+  }
+  __syncthreads();  // initialised before any thread waits on it (the word holds an earlier CTA's state)
+  if (tid == 0) {
     tma::mbar_arrive_expect_tx(bar, kQKBytes + kHeadBytes + kABytes);
     tma_tile(sQ, &maps.q, h, t0, bar);
     tma_tile(sK, &maps.k, h, t0, bar);
