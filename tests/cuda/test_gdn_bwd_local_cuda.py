@@ -159,6 +159,23 @@ def test_bitwise_repeatable(ops):
         assert torch.equal(x, y), name
 
 
+def test_many_waves_back_to_back(ops):
+    """A grid of many CTAs an SM in turn (2080 CTAs), called back to back without a sync:
+    a CTA starts on shared memory an earlier one left (its load barrier's word among it),
+    so a barrier waited on before it is initialised lets the CTA run ahead of its loads
+    (at this shape that faulted). Every call bitwise equal to the first, that one within
+    the contract."""
+    case = GdnCase("many_waves", (4096,) * 4, H=8, G=2, l2norm=True)
+    args, ref = _setup(case, dht=False)
+    with poisoned_allocations():
+        outs = [_call(ops, args) for _ in range(4)]
+    torch.cuda.synchronize()
+    _check(outs[0], ref, case.id)
+    for out in outs[1:]:
+        for name, x, y in zip(NAMES, out, outs[0]):
+            assert torch.equal(x, y), name
+
+
 def test_packed_vs_alone(ops):
     """A document's gradients are bitwise the same alone and packed between others: the
     alone call gets the packed call's inputs for that document's tokens and chunk slots."""
