@@ -160,11 +160,11 @@ def test_bitwise_repeatable(ops):
 
 
 def test_many_waves_back_to_back(ops):
-    """A grid of many CTAs an SM in turn (2080 CTAs), called back to back without a sync:
-    a CTA starts on shared memory an earlier one left (its load barrier's word among it),
-    so a barrier waited on before it is initialised lets the CTA run ahead of its loads
-    (at this shape that faulted). Every call bitwise equal to the first, that one within
-    the contract."""
+    """A grid of many CTAs an SM in turn (2080 CTAs), called back to back without a sync,
+    so that CTAs start on shared memory earlier ones left (the loads' barrier word among
+    it): every call bitwise equal to the first, that one within the contract. (It passed
+    on 4f57bde's parent too, whose barrier could be waited on before thread 0 initialised
+    it: that race faulted only in the benchmark's forward+backward timing loop.)"""
     case = GdnCase("many_waves", (4096,) * 4, H=8, G=2, l2norm=True)
     args, ref = _setup(case, dht=False)
     with poisoned_allocations():
