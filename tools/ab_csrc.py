@@ -9,7 +9,7 @@ Here (with git), export each revision's csrc/, cake_ops/, meta/ and tests/ into 
 There (the device, which gets the working tree without .git; carry ".ab"):
 
     python tools/ab_csrc.py run [--shapes s64k_h16,s256k_h2] [--tests] [--trees main,try_x] [--rounds 2]
-    python tools/ab_csrc.py run --op fwdbwd [--shapes s32k_h16,s64k_h16] [--tests] ...
+    python tools/ab_csrc.py run --op fwdbwd [--shapes s32k_h16,s64k_h16] [--tests] [--bits] ...
 
 For each exported tree in the order given: its csrc/, cake_ops/, meta/ and tests/ are
 swapped in (so each tree builds with its own cake_ops/build.py: a flat csrc/ of old
@@ -31,6 +31,12 @@ built once, tested on its first visit) and the table gives each tree's mean over
 rounds with the per-round totals: the first tree timed in a call has read 2 % slow
 against its usual time. Compare within one call only (the clock and the neighbours of
 the machine differ between calls).
+
+With --bits, each tree on its first visit also saves one forward+backward's outputs and
+gradients at the shapes (the checkout's tools/gdn_bits.py, importing the tree's
+cake_ops), and the close says per shape whether each tree's bits are those of the first
+tree (which tensors differ, and by how much, where they are not): a change meant to keep
+the arithmetic shows bitwise equal in the same call. A difference is reported, not failed.
 """
 
 from __future__ import annotations
@@ -130,7 +136,7 @@ def export(revs: list[str]) -> None:
     print(f"exported to {AB}: " + ", ".join(names) + '  (carry ".ab" to the device)')
 
 
-def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = "fwd") -> int:
+def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = "fwd", bits: bool = False) -> int:
     order = [line.split() for line in (AB / "order").read_text().splitlines() if line.strip()]
     if trees:
         wanted = trees.split(",")
@@ -147,6 +153,10 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
             log.write(text + "\n")
             log.flush()
 
+    bits_dir = AB / "_bits"  # --bits: each tree's tools/gdn_bits.py file, by tree name
+    if bits:  # this run's files only
+        shutil.rmtree(bits_dir, ignore_errors=True)
+        bits_dir.mkdir(parents=True)
     saved = AB / "_checkout"
     for part in SWAPPED:
         shutil.copytree(ROOT / part, saved / part, dirs_exist_ok=False)
@@ -196,6 +206,14 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
                 for shape, sample in bench_samples(json.loads(report.read_text())["results"]):
                     say(f"{shape} fwdbwd [{sample}]")
                     samples.setdefault((shape, "fwdbwd", name), []).append(sample)
+            if bits and first:
+                saved_bits = subprocess.run(
+                    [sys.executable, "tools/gdn_bits.py", "save", str(bits_dir / f"{name}.pt"), "--shapes", shapes],
+                    cwd=ROOT, capture_output=True, text=True, timeout=400,
+                )
+                if saved_bits.returncode != 0:
+                    failed.append(f"{name}: bits")
+                    say(saved_bits.stdout[-3000:] + saved_bits.stderr[-3000:])
             if tests and first:
                 if op == "fwd":
                     found = [path for path in GDN_TESTS if (ROOT / path).is_file()][:1]
@@ -225,6 +243,12 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
         for name, _ in order:
             if (shape, plan, name) in samples:
                 say(f"{shape:10s} {plan:3s} {name:24s} {summarize(samples[(shape, plan, name)])}")
+    bit_files = [str(bits_dir / f"{name}.pt") for name, _ in order if (bits_dir / f"{name}.pt").is_file()]
+    if bits and len(bit_files) > 1:
+        compared = subprocess.run([sys.executable, "tools/gdn_bits.py", "compare", *bit_files], cwd=ROOT,
+                                  capture_output=True, text=True, timeout=400)
+        say("===== bits (tools/gdn_bits.py, against the first tree)")
+        say((compared.stdout + compared.stderr).strip())
     if failed:
         say("FAILED: " + ", ".join(failed))
     return 1 if failed else 0
@@ -243,13 +267,15 @@ def main() -> int:
     rn.add_argument("--op", choices=("fwd", "fwdbwd"), default="fwd",
                     help="fwd: the forward's kernels (tools/gdn_fwd_gpu_check.py); fwdbwd: one forward+backward "
                     "(the tree's python -m cake_ops.bench), with the backward's tests")
+    rn.add_argument("--bits", action="store_true",
+                    help="compare one forward+backward's outputs and gradients bitwise across the trees (tools/gdn_bits.py)")
     args = parser.parse_args()
     if args.cmd == "export":
         export(args.revs)
         return 0
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    return run(args.shapes, args.tests, args.trees, args.rounds, args.op)
+    return run(args.shapes, args.tests, args.trees, args.rounds, args.op, args.bits)
 
 
 if __name__ == "__main__":

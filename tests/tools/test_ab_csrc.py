@@ -209,6 +209,48 @@ def test_fwdbwd_times_by_the_trees_bench_and_runs_its_backward_tests(ab, monkeyp
     assert _state(repo) == {f: "checkout" for f in CHECKOUT}
 
 
+def test_bits_saved_by_each_tree_on_its_first_visit_and_compared_at_the_close(ab, monkeypatch, capsys):
+    """--bits: tools/gdn_bits.py save while the tree is swapped in (once a tree, over all
+    rounds, into a file by its name), then one compare of the files in export order, its
+    report printed; a tree whose save fails is listed as failed and left out of it."""
+    module, repo = ab
+    module.export(["flat", "flat_no_meta", "folders"])
+    (repo / ".ab" / "_bits").mkdir()
+    (repo / ".ab" / "_bits" / "stale.pt").write_text("an earlier run's")
+    seen = []
+
+    def fake_run(cmd, cwd=None, capture_output=False, text=False, timeout=None, **kwargs):
+        tree = (repo / "cake_ops" / "build.py").read_text()
+        if "tools/gdn_bits.py" in cmd and "save" in cmd:
+            path = Path(cmd[cmd.index("save") + 1])
+            assert cmd[cmd.index("--shapes") + 1] == "s64k_h16"
+            seen.append(("save", tree, path.name))
+            if tree == "flat_no_meta":
+                return subprocess.CompletedProcess(cmd, 1, stdout="", stderr="ImportError")
+            path.write_text(tree)
+            return subprocess.CompletedProcess(cmd, 0, stdout="saved", stderr="")
+        if "tools/gdn_bits.py" in cmd:
+            files = [Path(c).name for c in cmd[cmd.index("compare") + 1:]]
+            seen.append(("compare", tree, files))
+            return subprocess.CompletedProcess(cmd, 1, stdout="s64k_h16: folders differs from flat: dq 3 of 8", stderr="")
+        if "cake_ops.build" in cmd:
+            return subprocess.CompletedProcess(cmd, 0, stdout="built", stderr="")
+        out = "s64k_h16   det      kernels   0.9 ms/call  busy 0.9  [F1 prep 0.400  F4 walk 0.600]"
+        return subprocess.CompletedProcess(cmd, 0, stdout=out, stderr="")
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    assert module.run("s64k_h16", tests=False, trees=None, rounds=2, bits=True) == 1
+    assert seen == [
+        ("save", "flat", "flat.pt"), ("save", "flat_no_meta", "flat_no_meta.pt"), ("save", "folders", "folders.pt"),
+        ("compare", "checkout", ["flat.pt", "folders.pt"]),
+    ]
+    out = capsys.readouterr().out
+    assert "===== bits" in out and "s64k_h16: folders differs from flat: dq 3 of 8" in out
+    assert "FAILED: flat_no_meta: bits" in out
+    assert not (repo / ".ab" / "_bits" / "stale.pt").exists()
+    assert _state(repo) == {f: "checkout" for f in CHECKOUT}
+
+
 def test_run_puts_the_checkout_back_when_a_step_raises(ab, monkeypatch):
     module, repo = ab
     module.export(["flat"])
