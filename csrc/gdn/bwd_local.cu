@@ -322,24 +322,21 @@ struct BwdLocalMaps {
   CUtensorMap q, k, dout, v, dv_new, v_new, h, ds, a;
 };
 
-// One thread's TMA loads of a 64 x 128 tile at `dst` (two 64-column boxes): token rows t0 ..
-// of head `head` of a [T, heads, 128] tensor, or (tape) tile `head` of a [tiles, rows, 128] tape.
+// One thread's TMA loads of a kRows x 128 tile at `dst` (two 64-column boxes) at the map's
+// coordinates (c1, c2): (head, first token) of a [T, heads, 128] tensor, (0, tile) of a tape.
 template <int kRows = C>
-__device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, int head, int64_t t0, uint32_t bar,
-                                         bool tape = false) {
-  const int c1 = tape ? 0 : head, c2 = tape ? head : static_cast<int>(t0);
+__device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, int c1, int c2, uint32_t bar) {
   tma::load_box_3d(dst, map, 0, c1, c2, bar);
   tma::load_box_3d(dst + kRows * 128, map, 64, c1, c2, bar);
 }
 
-// A value head's tiles but A (do, v_new, S^T, dS^T, v, dv_new), by one thread, onto `bar`.
-__device__ __forceinline__ void load_head(const BwdLocalMaps& m, uint32_t s, uint32_t bar, int64_t tape, int hv,
-                                          int64_t t0) {
-  const int tile = static_cast<int>(tape);
+// A value head's tiles but A (do, v_new, S^T, dS^T, v, dv_new), by one thread, onto `bar`:
+// value head hv's rows from token t0, and its tapes' tile `tape`.
+__device__ __forceinline__ void load_head(const BwdLocalMaps& m, uint32_t s, uint32_t bar, int tape, int hv, int t0) {
   tma_tile(s + kDo, &m.dout, hv, t0, bar);
-  tma_tile(s + kVn, &m.v_new, tile, 0, bar, true);
-  tma_tile<D>(s + kHT, &m.h, tile, 0, bar, true);
-  tma_tile<D>(s + kDS, &m.ds, tile, 0, bar, true);
+  tma_tile(s + kVn, &m.v_new, 0, tape, bar);
+  tma_tile<D>(s + kHT, &m.h, 0, tape, bar);
+  tma_tile<D>(s + kDS, &m.ds, 0, tape, bar);
   tma_tile(s + kV, &m.v, hv, t0, bar);
   tma_tile(s + kDvn, &m.dv_new, hv, t0, bar);
 }
@@ -416,6 +413,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // One mbarrier, one phase a value head (parity j & 1): thread 0 announces the phase's
   // bytes with its first load; after the last head, phase G brings the raw q, k rows.
   const uint32_t bar = sBase + kBar;
+  // TMA coordinates (int32: T and the tape's tiles are below 2^31): the chunk's first token,
+  // a value head's tile of the tapes.
+  const int t_first = static_cast<int>(t0);
+  const auto tape_of = [&](int64_t hv) { return static_cast<int>(slot * p.HV + hv); };
   if (tid == 0) {
     tma::mbar_init(bar, 1);
     tma::fence_mbar_init();
@@ -423,10 +424,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();  // initialised before any thread waits on it (the word holds an earlier CTA's state)
   if (tid == 0) {
     tma::mbar_arrive_expect_tx(bar, kQKBytes + kHeadBytes + kABytes);
-    tma_tile(sQ, &maps.q, h, t0, bar);
-    tma_tile(sK, &maps.k, h, t0, bar);
-    load_head(maps, sBase, bar, slot * p.HV + hv_first, static_cast<int>(hv_first), t0);
-    tma::load_box_3d(sBase + a_at(0), &maps.a, 0, 0, static_cast<int>(slot * p.HV + hv_first), bar);
+    tma_tile(sQ, &maps.q, h, t_first, bar);
+    tma_tile(sK, &maps.k, h, t_first, bar);
+    load_head(maps, sBase, bar, tape_of(hv_first), static_cast<int>(hv_first), t_first);
+    tma::load_box_3d(sBase + a_at(0), &maps.a, 0, 0, tape_of(hv_first), bar);
   }
   TokenGates gates{};
   if (tid < C) gates = load_gates(p, slot, hv_first, t0, len, tid);
@@ -667,13 +668,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (j + 1 < G) {
       if (tid == 0) {
         tma::mbar_arrive_expect_tx(bar, kHeadBytes + kABytes);
-        load_head(maps, sBase, bar, slot * p.HV + hv + 1, static_cast<int>(hv + 1), t0);
+        load_head(maps, sBase, bar, tape_of(hv + 1), static_cast<int>(hv + 1), t_first);
       }
       if (tid < C) gates = load_gates(p, slot, hv + 1, t0, len, tid);
     } else if (p.use_qk_l2norm && tid == 0) {  // the raw rows for the norm's backward
       tma::mbar_arrive_expect_tx(bar, kQKBytes);
-      tma_tile(sDo, &maps.q, h, t0, bar);
-      tma_tile(sVn, &maps.k, h, t0, bar);
+      tma_tile(sDo, &maps.q, h, t_first, bar);
+      tma_tile(sVn, &maps.k, h, t_first, bar);
     }
 
     // ---- Phase 2: dL = -(A^T dA A^T).tril(-1), TF32 (m16n8k8: a0 (gid, t4), a1 (gid + 8, t4),
@@ -707,7 +708,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();  // X complete (rounded to TF32, the next product's operand); dv stored
     }
     if (j + 1 < G && tid == 0)  // the next head's A, where this head's dw was
-      tma::load_box_3d(sBase + a_at(j + 1), &maps.a, 0, 0, static_cast<int>(slot * p.HV + hv + 1), bar);
+      tma::load_box_3d(sBase + a_at(j + 1), &maps.a, 0, 0, tape_of(hv + 1), bar);
     {  // Y = X A^T (Y_ij = sum_{m <= j} X_im A_jm), wanted for i > j only: m < min(j, i) + 1
       float y[4][4];
       zero(y);
@@ -884,8 +885,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   store_tile(smem + kK, static_cast<__nv_bfloat16*>(p.dk) + (t0 * p.H_stride + h) * D, p.H_stride * D, len);
 }
 
-}  // namespace
-
 // The loads' tensor maps for p's tensors (BwdLocalMaps): encoded on the host per call and
 // passed by value, so a captured CUDA graph replays them with the launch.
 cudaError_t bwd_local_maps(const GdnBwdLocalArgs& p, BwdLocalMaps& m) {
@@ -904,6 +903,8 @@ cudaError_t bwd_local_maps(const GdnBwdLocalArgs& p, BwdLocalMaps& m) {
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.a, p.a, C, C, tiles, C * 2, C * C * 2, 64, C, 1);
   return err;
 }
+
+}  // namespace
 
 cudaError_t gdn_bwd_local_launch(const GdnBwdLocalArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.T == 0 || p.H == 0) return cudaSuccess;
