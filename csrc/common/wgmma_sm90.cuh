@@ -30,13 +30,11 @@
 namespace cake::wgmma {
 
 // Matrix descriptor: start address, leading and stride byte offsets, 128-byte swizzle.
-__device__ __forceinline__ uint64_t desc_sw128(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(leading_bytes >> 4) << 16;
-  d |= static_cast<uint64_t>(stride_bytes >> 4) << 32;
-  d |= static_cast<uint64_t>(1) << 62;  // swizzle mode: 128 bytes
-  return d;
+// constexpr: a kernel that knows its tiles' addresses at compile time (bwd_local.cu) gets
+// immediates, which ptxas moves to the uniform registers wgmma reads without R2UR.
+__host__ __device__ constexpr uint64_t desc_sw128(uint32_t smem_addr, uint32_t leading_bytes, uint32_t stride_bytes) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (static_cast<uint64_t>(1) << 62);  // swizzle: 128 bytes
 }
 
 // The k16 steps of one tile differ only in the start address: its field (address >> 4,
@@ -59,9 +57,9 @@ __host__ __device__ constexpr uint64_t desc_add(uint64_t d, uint32_t step) {
 }
 
 // Step 0 of a K-major SW128 tile at `tile`; of an MN-major one (rows = K) with `rows` rows.
-__device__ __forceinline__ uint64_t desc_k_major(uint32_t tile) { return desc_sw128(tile, 16, 1024); }
-__device__ __forceinline__ uint64_t desc_mn_major(uint32_t tile, int rows) {
-  return desc_sw128(tile, rows * 128, 1024);
+__host__ __device__ constexpr uint64_t desc_k_major(uint32_t tile) { return desc_sw128(tile, 16, 1024); }
+__host__ __device__ constexpr uint64_t desc_mn_major(uint32_t tile, int rows) {
+  return desc_sw128(tile, static_cast<uint32_t>(rows) * 128, 1024);
 }
 
 // Operand k16 step `s` of a K-major SW128 tile with `rows` rows at `tile`.

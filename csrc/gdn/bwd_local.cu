@@ -128,6 +128,27 @@ constexpr uint32_t kQKBytes = 2 * kRowTile;
 __device__ __forceinline__ int a_at(int j) { return kADw + (j & 1) * 2 * kATile; }
 __device__ __forceinline__ int dw_at(int j) { return kADw + (~j & 1) * kATile; }
 
+// Where the dynamic shared memory starts in the CTA's shared window (modulo the 256 KB a
+// descriptor addresses): ptxas places it after the 1 KB that sm_90 reserves, and the
+// kernel checks it at its start. Known at compile time, the left operands' descriptors are
+// immediates (uniform registers without R2UR), and a right operand's is one add of its
+// warpgroup's column block: formed from the runtime base, ptxas kept the base in a vector
+// register and moved both descriptors of every wgmma to uniform registers (four R2UR).
+// (A copy of the head loop per warpgroup made every descriptor an immediate, but twice the
+// code ran 1.5x slower: docs/experiments.md.)
+constexpr uint32_t kSmemWindow = 0x400;
+
+// Step-0 descriptors (wgmma_sm90.cuh) of the tile at byte offset `off`: K-major from row
+// `row` (M or N); MN-major of `rows` K-rows from column block `block`.
+__host__ __device__ constexpr uint64_t desc_k(int off, int row = 0) { return wgmma::desc_k_major(kSmemWindow + off + row * 128); }
+__host__ __device__ constexpr uint64_t desc_mn(int off, int rows, int block = 0) {
+  return wgmma::desc_mn_major(kSmemWindow + off + block * rows * 128, rows);
+}
+// Head j's A and dw tiles: the descriptor of head 0's advanced by the parity's offset.
+__device__ __forceinline__ uint64_t at_parity(uint64_t d0, int j, int delta_bytes) {
+  return wgmma::desc_add(d0, static_cast<uint32_t>((j & 1) * (delta_bytes / 16)));  // two's complement: no borrow
+}
+
 __device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_t i) {
   if (dtype == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(beta)[i]);
   return static_cast<const float*>(beta)[i];
@@ -391,17 +412,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int n0 = 64 * ch;  // its columns of the 64 x 128 products
   const int j0 = 32 * ch;  // and of the 64 x 64 ones
 
-  const uint32_t sQ = mma::smem_addr(smem + kQ), sK = mma::smem_addr(smem + kK), sDo = mma::smem_addr(smem + kDo),
-                 sVn = mma::smem_addr(smem + kVn), sV = mma::smem_addr(smem + kV),
-                 sDvn = mma::smem_addr(smem + kDvn), sHT = mma::smem_addr(smem + kHT),
-                 sDS = mma::smem_addr(smem + kDS), sBase = mma::smem_addr(smem), sDPs = mma::smem_addr(smem + kDPs);
-  // Step-0 operand descriptors (wgmma_sm90.cuh): a K-major 64-row tile from a row (M or
-  // N); an MN-major right operand of `rows` K-rows, this warpgroup's column block (its 64
-  // columns); a 64 x 64 left operand read MN-major (transposed). Formed at each product
-  // (opaque).
-  const auto kmaj = [](uint32_t tile, int row) { return wgmma::desc_k_major(opaque(tile) + row * 128); };
-  const auto mn_b = [ch](uint32_t tile, int rows) { return wgmma::desc_mn_major(opaque(tile) + ch * rows * 128, rows); };
-  const auto mn_a = [](uint32_t tile) { return wgmma::desc_mn_major(opaque(tile), C); };
+  const uint32_t sBase = mma::smem_addr(smem), sQ = sBase + kQ, sK = sBase + kK;
+  if (tid == 0 && (sBase & 0x3FFFF) != kSmemWindow) __trap();  // the descriptors' addresses (kSmemWindow)
   const float* gl2 = vec + kVGl2;
   const float* eg = vec + kVEg;
   const float* dte = vec + kVDte;
@@ -439,7 +451,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int j = 0; j < G; ++j) {
     const int64_t hv = hv_first + j;
     const int oA = a_at(j), oDw = dw_at(j);
-    const uint32_t sA = sBase + oA, sDw = sBase + oDw;
+    // Head j's A and dw tiles (their place alternates; a_at, dw_at).
+    const uint64_t dA_mn = at_parity(desc_mn(kADw, C), j, 2 * kATile);
+    const uint64_t dDw_k = at_parity(desc_k(kADw + kATile), j, -kATile);
+    const uint64_t dDw_mn = at_parity(desc_mn(kADw + kATile, C, ch), j, -kATile);
     if (tid < C) {  // this head's row vectors
       const int i = tid;
       vec[kVGl2 + i] = gates.gcum * mma::kLog2e;
@@ -504,9 +519,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     // previous one's elementwise work (two in flight at most: their accumulators are 32
     // registers each beside dq and dk).
     float g1[8][4], g2[8][4];
-    wg_issue<8, 0, 1>(g1, kmaj(sDo, 0), mn_b(sHT, D), true);  // dq_gated = do S^T
+    wg_issue<8, 0, 1>(g1, desc_k(kDo), desc_mn(kHT, D, ch), true);  // dq_gated = do S^T
     wgmma::commit();
-    wg_issue<8, 0, 1>(g2, kmaj(sDvn, 0), mn_b(sHT, D), true);  // dv_new S^T = -dw
+    wg_issue<8, 0, 1>(g2, desc_k(kDvn), desc_mn(kHT, D, ch), true);  // dv_new S^T = -dw
     wgmma::commit();
     wg_wait<1>(g1);
     {  // dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
@@ -514,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       add_scaled_rows<true>(dq, g1, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
     }
-    wg_issue<8, 0, 1>(g1, kmaj(sVn, 0), mn_b(sDS, D), true);  // dk_decayed = v_new dS^T
+    wg_issue<8, 0, 1>(g1, desc_k(kVn), desc_mn(kDS, D, ch), true);  // dk_decayed = v_new dS^T
     wgmma::commit();
     wg_wait<1>(g2);
     {  // dw, to shared memory (bf16)
@@ -527,8 +542,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     float dpm[4][4], qk[4][4];  // dP = do v_new^T; q k^T, formed again per head (cheaper than
                                 // 16 registers held throughout)
-    wg_issue<8, 0, 0>(dpm, kmaj(sDo, 0), kmaj(sVn, j0), true);
-    wg_issue<8, 0, 0>(qk, kmaj(sQ, 0), kmaj(sK, j0), true);
+    wg_issue<8, 0, 0>(dpm, desc_k(kDo), desc_k(kVn, j0), true);
+    wg_issue<8, 0, 0>(qk, desc_k(kQ), desc_k(kK, j0), true);
     wgmma::commit();
     wg_wait<1>(g1);
     {  // dk += dte dk_decayed; t = dte (dk_decayed . k)
@@ -602,11 +617,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     float dxu[8][4];  // dXu = A^T dv_new (below)
     {  // dA = beta_j (eg_j (dw k^T) + dv_new v^T), fp32 rounded to TF32 (phase 2's operand)
       float acc[4][4], dvv[4][4];
-      wg_issue<8, 0, 0>(acc, kmaj(sDw, 0), kmaj(sK, j0), true);
-      wg_issue<8, 0, 0>(dvv, kmaj(sDvn, 0), kmaj(sV, j0), true);
+      wg_issue<8, 0, 0>(acc, dDw_k, desc_k(kK, j0), true);
+      wg_issue<8, 0, 0>(dvv, desc_k(kDvn), desc_k(kV, j0), true);
       wgmma::commit();
-      wg_issue<4, 0, 1>(dq, kmaj(sDPs, 0), mn_b(sK, C), false);  // dq += dPs k
-      wg_issue<4, 1, 1>(dk, mn_a(sDPs), mn_b(sQ, C), false);     // dk += dPs^T q
+      wg_issue<4, 0, 1>(dq, desc_k(kDPs), desc_mn(kK, C, ch), false);  // dq += dPs k
+      wg_issue<4, 1, 1>(dk, desc_mn(kDPs, C), desc_mn(kQ, C, ch), false);     // dk += dPs^T q
       wgmma::commit();
       wg_wait<1>(acc);
       wg_done(dvv);
@@ -625,9 +640,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     {  // dXw = A^T dw: dk += beta eg dXw; row sums dXw . k
       float acc[8][4];
-      wg_issue<4, 1, 1>(acc, mn_a(sA), mn_b(sDw, C), true);
+      wg_issue<4, 1, 1>(acc, dA_mn, dDw_mn, true);
       wgmma::commit();
-      wg_issue<4, 1, 1>(dxu, mn_a(sA), mn_b(sDvn, C), true);
+      wg_issue<4, 1, 1>(dxu, dA_mn, desc_mn(kDvn, C, ch), true);
       wgmma::commit();
       wg_wait<1>(acc);
       wg_done(dq);
@@ -673,14 +688,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (tid < C) gates = load_gates(p, slot, hv + 1, t0, len, tid);
     } else if (p.use_qk_l2norm && tid == 0) {  // the raw rows for the norm's backward
       tma::mbar_arrive_expect_tx(bar, kQKBytes);
-      tma_tile(sDo, &maps.q, h, t_first, bar);
-      tma_tile(sVn, &maps.k, h, t_first, bar);
+      tma_tile(sBase + kDo, &maps.q, h, t_first, bar);
+      tma_tile(sBase + kVn, &maps.k, h, t_first, bar);
     }
 
     // ---- Phase 2: dL = -(A^T dA A^T).tril(-1), TF32 (m16n8k8: a0 (gid, t4), a1 (gid + 8, t4),
     // a2 (gid, t4 + 4), a3 (gid + 8, t4 + 4); b0 (k = t4, n = gid), b1 (k = t4 + 4, n = gid)).
     float kk[4][4];  // k k^T, formed again per head, under the TF32 products
-    wg_issue<8, 0, 0>(kk, kmaj(sK, 0), kmaj(sK, j0), true);
+    wg_issue<8, 0, 0>(kk, desc_k(kK), desc_k(kK, j0), true);
     wgmma::commit();
     {
       float x[4][4];  // X = A^T dA: X_ij = sum_{m >= i} A_mi dA_mj, rows m0.., columns j0..
@@ -763,8 +778,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();  // dkk and every row / column sum complete
 
     // dk += dkk k + dkk^T k, under warp 0's per-token sums.
-    wg_issue<4, 0, 1>(dk, kmaj(sDPs, 0), mn_b(sK, C), false);
-    wg_issue<4, 1, 1>(dk, mn_a(sDPs), mn_b(sK, C), false);
+    wg_issue<4, 0, 1>(dk, desc_k(kDPs), desc_mn(kK, C, ch), false);
+    wg_issue<4, 1, 1>(dk, desc_mn(kDPs, C), desc_mn(kK, C, ch), false);
     wgmma::commit();
 
     if (warp == 0) {  // d gcum, dbeta per token; dg = reverse cumsum of d gcum
