@@ -566,6 +566,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       } else {  // both tapes share one layout, so element for element
         const uint4* a = reinterpret_cast<const uint4*>(smem + kHT);
         const uint4* b = reinterpret_cast<const uint4*>(smem + kDS);
+        float se[4] = {0.f, 0.f, 0.f, 0.f};  // four chains of 16 FMAs instead of one of 64
 #pragma unroll
         for (int it = 0; it < D * D / 8 / kThreads; ++it) {
           const uint4 x = a[it * kThreads + tid], y = b[it * kThreads + tid];
@@ -573,9 +574,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float2 fx = unpack_bf16(xu[e]), fy = unpack_bf16(yu[e]);
-            s = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, s));
+            se[e] = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, se[e]));
           }
         }
+        s = (se[0] + se[1]) + (se[2] + se[3]);
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
