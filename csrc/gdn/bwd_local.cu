@@ -38,7 +38,7 @@
 //   bf16 already, so exact in TF32.
 // - Shared memory (223 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
 //   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dPs / dkk (8 KB, in turn),
-//   dA / A^T dA (fp32, 18 KB, in turn) and row vectors. The next value head's tiles but A
+//   dA^T / A^T dA (fp32, 18 KB, in turn) and row vectors. The next value head's tiles but A
 //   (128 KB) and its gates are requested as soon as the current head's first phases have
 //   read them, its A once the current head's dv is stored: into where the current dw was
 //   (A and dw trade places from head to head), so it lands under the second half of
@@ -88,9 +88,28 @@ constexpr int kDS = kHT + D * D * 2;  // dS^T 128 x 128
 constexpr int kATile = C * C * 2;
 constexpr int kADw = kDS + D * D * 2;
 constexpr int kDPs = kADw + kATile + kRowTile;  // dPs, then dkk (64 x 64 bf16)
-constexpr int kFLd = 72;              // fp32 row stride of dA / A^T dA (conflict-free TF32 fragments)
+constexpr int kFLd = 72;              // fp32 row stride of dA^T / A^T dA (conflict-free TF32 fragments)
 constexpr int kDA = kDPs + C * C * 2;
 constexpr int kVec = kDA + C * kFLd * 4;
+
+// Where row j (a column of dA) of dA^T starts in the fp32 region: rows of kFLd floats, those
+// with j & 4 moved on by 8 floats (row 63 still ends within C * kFLd). kFLd = 8 mod 32 makes
+// phase 2's float2 loads (row jb + gid, columns mk + 2 t4: per half-warp rows gid 0..3 at 8
+// gid + 2 t4) conflict-free, but would give phase 1b's scalar stores of dA^T (row j0 + 8 nt +
+// 2 t4 + c, column m0 + gid + 8 v: rows t4 and t4 + 2 an equal bank, no stride serves both)
+// two-way conflicts; the shift puts row j mod 8 at bank 8 ((j + (j >> 2 & 1)) mod 4) + col:
+// distinct for j mod 8 = c, 2 + c, 4 + c, 6 + c (the stores) and for 0..3 and 4..7 (the loads).
+__host__ __device__ constexpr int dat_row(int j) { return j * kFLd + ((j & 4) << 1); }
+static_assert(kFLd % 32 == 8 && dat_row(C - 1) + C <= C * kFLd, "dA^T's rows fit the region, conflict-free");
+// X = A^T dA written over it, rows i and i + 8 of each 16-row block interleaved: X[i][m] at
+// xpos(i, m). A lane's accumulator quad of n-tile nt (rows i, i + 8, columns m, m + 1) is then
+// one float4 {c0, c2, c1, c3}, and so is its A fragment {a0, a1, a2, a3} of phase 2's second
+// product (HMMA takes a0 .. a3 in consecutive registers: two row-major float2 would need
+// moves). Row pairs kXLd = 144 = 16 mod 32 floats apart: per quarter-warp (lanes gid 2q, 2q + 1,
+// t4 0..3 at 16 (gid & 1) + 4 t4) conflict-free.
+constexpr int kXLd = 2 * kFLd;
+__host__ __device__ constexpr int xpos(int i, int m) { return ((i >> 4) * 8 + (i & 7)) * kXLd + 2 * m + ((i >> 3) & 1); }
+static_assert(kXLd % 32 == 16 && xpos(C - 1, C - 1) < C * kFLd, "X's row pairs fit the region, conflict-free");
 // Row vectors (floats).
 constexpr int kVGl2 = 0;          // gcum log2(e)
 constexpr int kVEg = kVGl2 + C;   // e^gcum
@@ -627,6 +646,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::commit();
       wg_wait<1>(acc);
       wg_done(dvv);
+      // Stored transposed (dA^T[j][i] at fA[dat_row(j) + i]): phase 2 reads pairs of
+      // consecutive i (its k) as one float2.
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt) {
         const int jj = j0 + 8 * nt + 2 * t4;
@@ -634,9 +655,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int v = 0; v < 2; ++v) {
           const int i = m0 + gid + 8 * v;
-          *reinterpret_cast<float2*>(fA + i * kFLd + jj) =
-              make_float2(round_tf32(b0 * fmaf(e0, acc[nt][2 * v], dvv[nt][2 * v])),
-                          round_tf32(b1 * fmaf(e1, acc[nt][2 * v + 1], dvv[nt][2 * v + 1])));
+          fA[dat_row(jj) + i] = round_tf32(b0 * fmaf(e0, acc[nt][2 * v], dvv[nt][2 * v]));
+          fA[dat_row(jj + 1) + i] = round_tf32(b1 * fmaf(e1, acc[nt][2 * v + 1], dvv[nt][2 * v + 1]));
         }
       }
     }
@@ -696,6 +716,10 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     // ---- Phase 2: dL = -(A^T dA A^T).tril(-1), TF32 (m16n8k8: a0 (gid, t4), a1 (gid + 8, t4),
     // a2 (gid, t4 + 4), a3 (gid + 8, t4 + 4); b0 (k = t4, n = gid), b1 (k = t4 + 4, n = gid)).
+    // The 8 k of a k8 step are taken permuted (a product's sum does not depend on their order,
+    // A and B fragments alike): k = t4 holds index kb + 2 t4, k = t4 + 4 index kb + 2 t4 + 1. So
+    // a0 / a2 (a1 / a3, b0 / b1) are a pair of consecutive indices: one float2 of an fp32 tile
+    // whose rows run along k, or one ldmatrix register of the bf16 A tile (its two halves).
     float kk[4][4];  // k k^T, formed again per head, under the TF32 products
     wg_issue<8, 0, 0>(kk, desc_k(kK), desc_k(kK, j0), true);
     wgmma::commit();
@@ -703,24 +727,35 @@ __global__ void __launch_bounds__(kThreads, 1)
       float x[4][4];  // X = A^T dA: X_ij = sum_{m >= i} A_mi dA_mj, rows m0.., columns j0..
       zero(x);
       const unsigned char* tA = smem + oA;
-#pragma unroll 2
-      for (int mm = m0; mm < C; mm += 8) {
-        const uint32_t a[4] = {ld_bf16_bits<C>(tA, mm + t4, m0 + gid), ld_bf16_bits<C>(tA, mm + t4, m0 + gid + 8),
-                               ld_bf16_bits<C>(tA, mm + t4 + 4, m0 + gid), ld_bf16_bits<C>(tA, mm + t4 + 4, m0 + gid + 8)};
+      // A operand (i, m) = A[m][i]: ldmatrix .trans of the 8x8 blocks (rows mm + 8 s, columns
+      // m0 + 8 h) gives register s + 2 h = the pair A[mm + 8 s + 2 t4 (+1)][m0 + 8 h + gid],
+      // a0 / a2 (h = 0) or a1 / a3 (h = 1) of k-step s. Lane l gives row mm + (l & 15) of
+      // chunk 2 rb + (l >> 4) (frag_addr); 16 rows on, 2048 bytes on (the same swizzle).
+      const uint32_t aT = frag_addr(tA, m0, m0);
+      // B operand (m, j) = dA[m][j] = dA^T[j][m]: b0 / b1 of k-step s, n-tile nt the float2 at
+      // row j0 + 8 nt + gid, column mm + 8 s + 2 t4 of dA^T.
+      // Both addresses step on (16 rows of A, 16 columns of dA^T); the A tile's ends the loop.
+      const float* bT = fA + dat_row(j0 + gid) + 2 * t4 + m0;
+#pragma unroll 1
+      for (uint32_t ad = aT; ad < aT + (C - m0) * 128; ad += 16 * 128, bT += 16) {
+        uint32_t r[4];
+        mma::ldmatrix_x4_trans(r, ad);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int jj = j0 + 8 * nt + gid;
-          mma::mma_tf32(x[nt], a, __float_as_uint(fA[(mm + t4) * kFLd + jj]), __float_as_uint(fA[(mm + t4 + 4) * kFLd + jj]));
+        for (int s = 0; s < 2; ++s) {
+          const uint32_t a[4] = {r[s] << 16, r[s + 2] << 16, r[s] & 0xffff0000u, r[s + 2] & 0xffff0000u};
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const float2 b = *reinterpret_cast<const float2*>(bT + 8 * nt * kFLd + 8 * s);
+            mma::mma_tf32(x[nt], a, __float_as_uint(b.x), __float_as_uint(b.y));
+          }
         }
       }
       __syncthreads();  // dA read by every warp; dv staged
       store_tile(smem + oDw, static_cast<__nv_bfloat16*>(p.dv) + (t0 * HV_row + hv) * D, HV_row * D, len);
 #pragma unroll
       for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-        for (int v = 0; v < 2; ++v)
-          *reinterpret_cast<float2*>(fA + (m0 + gid + 8 * v) * kFLd + j0 + 8 * nt + 2 * t4) =
-              make_float2(round_tf32(x[nt][2 * v]), round_tf32(x[nt][2 * v + 1]));
+        *reinterpret_cast<float4*>(fA + xpos(m0 + gid, j0 + 8 * nt + 2 * t4)) =
+            make_float4(round_tf32(x[nt][0]), round_tf32(x[nt][2]), round_tf32(x[nt][1]), round_tf32(x[nt][3]));
       wgmma::fence_proxy_async();  // dw's and dv's stores precede the next A's TMA write there
       __syncthreads();  // X complete (rounded to TF32, the next product's operand); dv stored
     }
@@ -730,17 +765,31 @@ __global__ void __launch_bounds__(kThreads, 1)
       float y[4][4];
       zero(y);
       const unsigned char* tA = smem + oA;
-      const int m_end = j0 < m0 + 16 ? min(j0 + 32, m0 + 16) : 0;
-#pragma unroll 2
-      for (int mm = 0; mm < m_end; mm += 8) {
-        const uint32_t a[4] = {__float_as_uint(fA[(m0 + gid) * kFLd + mm + t4]),
-                               __float_as_uint(fA[(m0 + gid + 8) * kFLd + mm + t4]),
-                               __float_as_uint(fA[(m0 + gid) * kFLd + mm + t4 + 4]),
-                               __float_as_uint(fA[(m0 + gid + 8) * kFLd + mm + t4 + 4])};
+      const int m_end = j0 < m0 + 16 ? min(j0 + 32, m0 + 16) : 0;  // a multiple of 16
+      // A operand (i, m) = X[i][m]: {a0, a1, a2, a3} of k-step s the float4 at xpos(m0 + gid,
+      // mm + 8 s + 2 t4) (rows m0 + gid, + 8; columns mm + 8 s + 2 t4, + 1).
+      const float* xr = fA + xpos(m0 + gid, 2 * t4);
+      // B operand (m, j) = A[j][m]: ldmatrix (not transposed) of the 8x8 blocks (rows j0 + 8 nt,
+      // columns mm + 8 s) gives the pair A[j0 + 8 nt + gid][mm + 8 s + 2 t4 (+1)]: x4 number
+      // nt >> 1 (rows j0 + 16 (nt >> 1) + (l & 15), chunk mm / 8 + (l >> 4): frag_addr, 2048 bytes
+      // on for the second) holds it in register (nt & 1) + 2 s; chunk mm / 8 (even) is the
+      // address's xor 32 mm / 16 (ld_frag).
+      const uint32_t bA = frag_addr(tA, j0, 0);
+#pragma unroll 1
+      for (uint32_t c = 0; c < 2 * m_end; c += 32) {  // c = 2 mm: the address's xor (bytes), X's column offset (floats)
+        uint32_t r[2][4];
+        const uint32_t ad = bA ^ c;
+        mma::ldmatrix_x4(r[0], ad);
+        mma::ldmatrix_x4(r[1], ad + 16 * 128);
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt) {
-          const int jj = j0 + 8 * nt + gid;
-          mma::mma_tf32(y[nt], a, ld_bf16_bits<C>(tA, jj, mm + t4), ld_bf16_bits<C>(tA, jj, mm + t4 + 4));
+        for (int s = 0; s < 2; ++s) {
+          const float4 q = *reinterpret_cast<const float4*>(xr + c + 16 * s);
+          const uint32_t a[4] = {__float_as_uint(q.x), __float_as_uint(q.y), __float_as_uint(q.z), __float_as_uint(q.w)};
+#pragma unroll
+          for (int nt = 0; nt < 4; ++nt) {
+            const uint32_t w = r[nt >> 1][(nt & 1) + 2 * s];
+            mma::mma_tf32(y[nt], a, w << 16, w & 0xffff0000u);
+          }
         }
       }
       // dL = -Y below the diagonal: dbeta += rowsum(dL o D o kk); d gcum += rowsum - colsum of
