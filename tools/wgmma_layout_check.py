@@ -72,7 +72,7 @@ __global__ void probe(const __nv_bfloat16* a, const __nv_bfloat16* b, float* d, 
 #pragma unroll
     for (int s = 0; s < 8; ++s) {
       if (mode == 0) wgmma::mma_rs_m64n64k16<0>(acc, af[s], wgmma::desc_k_major(sb, 64, s), s > 0);
-      else wgmma::mma_ss_m64n64k16(acc, wgmma::desc_k_major(sa, 64, s), wgmma::desc_k_major(sb, 64, s), s > 0);
+      else wgmma::mma_ss_m64n64k16<0, 0>(acc, wgmma::desc_k_major(sa, 64, s), wgmma::desc_k_major(sb, 64, s), s > 0);
     }
     wgmma::commit();
     wgmma::wait<0>();
