@@ -30,6 +30,11 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// One register of two bf16 -> two floats (exact): (low, high) half, pack_bf16's inverse.
+__device__ __forceinline__ float2 unpack_bf16(uint32_t w) {
+  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
+}
+
 // Accumulator columns 16 j .. 16 j + 15 (n-tiles 2 j, 2 j + 1: registers d[8 j .. 8 j + 7])
 // as the bf16 A fragment of k-step j.
 template <int N>

@@ -173,10 +173,6 @@ __device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_
   return static_cast<const float*>(beta)[i];
 }
 
-__device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
-
 // x as a value the compiler cannot move out of a loop: what is formed from it is formed
 // again where it is used, rather than held in registers across the head loop (at 255
 // registers, hoisted addresses and descriptors spill).
@@ -310,7 +306,7 @@ __device__ __forceinline__ void add_scaled_rows(float (&d)[8][4], const float (&
     const float fi = f(i);
 #pragma unroll
     for (int nt = 0; nt < 8; ++nt) {
-      const float2 xp = unpack_bf16(xf[nt][v]);
+      const float2 xp = mma::unpack_bf16(xf[nt][v]);
       rs[v] = fmaf(acc[nt][2 * v], xp.x, fmaf(acc[nt][2 * v + 1], xp.y, rs[v]));
       d[nt][2 * v] = fmaf(fi, acc[nt][2 * v], d[nt][2 * v]);
       d[nt][2 * v + 1] = fmaf(fi, acc[nt][2 * v + 1], d[nt][2 * v + 1]);
@@ -510,7 +506,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float2 f = unpack_bf16(u[e]);
+            const float2 f = mma::unpack_bf16(u[e]);
             ss = fmaf(f.x, f.x, ss);
             ss = fmaf(f.y, f.y, ss);
           }
@@ -523,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float2 f = unpack_bf16(u[e]);
+            const float2 f = mma::unpack_bf16(u[e]);
             u[e] = mma::pack_bf16(f.x * rs, f.y * rs);
           }
           *reinterpret_cast<uint4*>(tile + sw128_offset(C, r, 4 * part + c4)) = make_uint4(u[0], u[1], u[2], u[3]);
@@ -592,7 +588,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const uint32_t xu[4] = {x.x, x.y, x.z, x.w}, yu[4] = {y.x, y.y, y.z, y.w};
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float2 fx = unpack_bf16(xu[e]), fy = unpack_bf16(yu[e]);
+            const float2 fx = mma::unpack_bf16(xu[e]), fy = mma::unpack_bf16(yu[e]);
             se[e] = fmaf(fx.x, fy.x, fmaf(fx.y, fy.y, se[e]));
           }
         }
@@ -684,7 +680,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int v = 0; v < 2; ++v) {
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = unpack_bf16(vf[nt][v]);
+          const float2 x = mma::unpack_bf16(vf[nt][v]);
           rs[v] = fmaf(dxu[nt][2 * v], x.x, fmaf(dxu[nt][2 * v + 1], x.y, rs[v]));
         }
       }
@@ -907,7 +903,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float ri = r[m0 + gid + 8 * v];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = unpack_bf16(xf[nt][v]);
+          const float2 x = mma::unpack_bf16(xf[nt][v]);
           rs[v] = fmaf(d[nt][2 * v], x.x * ri, fmaf(d[nt][2 * v + 1], x.y * ri, rs[v]));
         }
       }
@@ -928,7 +924,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float ri = r[i], dx = dot[i] + dot[C + i];
 #pragma unroll
         for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = unpack_bf16(xf[nt][v]);
+          const float2 x = mma::unpack_bf16(xf[nt][v]);
           d[nt][2 * v] = (d[nt][2 * v] - x.x * ri * dx) * ri;
           d[nt][2 * v + 1] = (d[nt][2 * v + 1] - x.y * ri * dx) * ri;
         }

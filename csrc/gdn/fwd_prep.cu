@@ -416,10 +416,6 @@ __device__ __forceinline__ void copy_rows(const __nv_bfloat16* __restrict__ x, u
   }
 }
 
-__device__ __forceinline__ float2 unpack_bf16(uint32_t w) {  // (low, high) half
-  return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xffff0000u));
-}
-
 // Rows of a 64x128 bf16 tile in the norms' layout: 16 lanes a row (16 bytes each), 8 rows
 // a pass; raw[it] is row 8 it + tid / 16.
 using RowChunks = uint4[8];
@@ -445,7 +441,7 @@ __device__ __forceinline__ void rows_from_global(const __nv_bfloat16* __restrict
 
 // This lane's part of |x_r|^2 for row 8 it + tid / 16: its 8 values (fp32 FMAs of the bf16 values).
 __device__ __forceinline__ float lane_sumsq(const uint4& w) {
-  const float2 f[4] = {unpack_bf16(w.x), unpack_bf16(w.y), unpack_bf16(w.z), unpack_bf16(w.w)};
+  const float2 f[4] = {mma::unpack_bf16(w.x), mma::unpack_bf16(w.y), mma::unpack_bf16(w.z), mma::unpack_bf16(w.w)};
   float ss = 0.f;
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
