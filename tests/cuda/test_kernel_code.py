@@ -9,8 +9,13 @@ there is none), and
   assembled in registers (the prep's normalised rows, a reordered walk epilogue), for 4x
   the L2 sectors of the store; the walk ran 60 % slower. ``mma::st_global_16`` forces the
   vector store.
+
+The device-side probes of tools/ whose kernels include no torch header
+(tools/gdn_bwd_chain_probe.py) are compiled the same way, so that a tool the next GPU
+session will run still builds and does not spill.
 """
 
+import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -62,20 +67,36 @@ def test_split_store_detector():
     assert split_vector_stores("\tst.global.v4.u32 \t[%rd7], {%r1, %r2, %r3, %r4};") == []
 
 
-@pytest.mark.parametrize("name", KERNEL_FILES)
-def test_kernel_file_compiles_clean(nvcc, name, tmp_path):
+def _compile_clean(nvcc, source: Path, tmp_path: Path) -> str:
+    """Compiles one kernel file with the build's flags; fails on errors, spills and
+    ptxas warnings. Returns the PTX."""
     flags = [f for f in build.CUDA_CFLAGS if f != "-lineinfo"]
     includes = [f"-I{p}" for p in build.include_paths(CSRC)]
     cmd = [nvcc, *flags, *includes, "-Xptxas", "-v", "--keep", "--keep-dir", str(tmp_path), "-cubin",
-           "-o", str(tmp_path / "k.cubin"), str(CSRC / name)]
+           "-o", str(tmp_path / "k.cubin"), str(source)]
     res = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path)
     log = res.stdout + res.stderr
     assert res.returncode == 0, log
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert all(s == "0" and l == "0" for s, l in spills), f"{name} spills registers:\n{log}"
+    assert all(s == "0" and l == "0" for s, l in spills), f"{source.name} spills registers:\n{log}"
     warnings = [line for line in log.splitlines() if re.search(r"warning|C75\d\d", line, re.IGNORECASE)]
-    assert not warnings, f"{name}:\n" + "\n".join(warnings)
-    ptx = "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+    assert not warnings, f"{source.name}:\n" + "\n".join(warnings)
+    return "\n".join(p.read_text() for p in tmp_path.glob("*.ptx"))
+
+
+@pytest.mark.parametrize("name", KERNEL_FILES)
+def test_kernel_file_compiles_clean(nvcc, name, tmp_path):
+    ptx = _compile_clean(nvcc, CSRC / name, tmp_path)
     assert ptx, "nvcc --keep left no PTX"
     split = split_vector_stores(ptx)
     assert not split, f"{name}: 16-byte stores split into 4-byte stores at {split}"
+
+
+def test_chain_probe_compiles_clean(nvcc, tmp_path):
+    tool = CSRC.parent / "tools" / "gdn_bwd_chain_probe.py"
+    spec = importlib.util.spec_from_file_location("gdn_bwd_chain_probe", tool)
+    probe = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(probe)
+    source = tmp_path / "chain_probe.cu"
+    source.write_text(probe.KERNEL_SRC)
+    assert _compile_clean(nvcc, source, tmp_path)
