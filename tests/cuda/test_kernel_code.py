@@ -11,7 +11,7 @@ there is none), and
   vector store.
 
 The device-side probes of tools/ whose kernels include no torch header
-(tools/gdn_bwd_chain_probe.py) are compiled the same way, so that a tool the next GPU
+(tools/gdn_bwd_chain_probe.py, tools/gdn_bwd_cluster_probe.py) are compiled the same way, so that a tool the next GPU
 session will run still builds and does not spill.
 """
 
@@ -92,11 +92,15 @@ def test_kernel_file_compiles_clean(nvcc, name, tmp_path):
     assert not split, f"{name}: 16-byte stores split into 4-byte stores at {split}"
 
 
-def test_chain_probe_compiles_clean(nvcc, tmp_path):
-    tool = CSRC.parent / "tools" / "gdn_bwd_chain_probe.py"
-    spec = importlib.util.spec_from_file_location("gdn_bwd_chain_probe", tool)
-    probe = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(probe)
-    source = tmp_path / "chain_probe.cu"
-    source.write_text(probe.KERNEL_SRC)
+PROBE_TOOLS = ("gdn_bwd_chain_probe", "gdn_bwd_cluster_probe")
+
+
+@pytest.mark.parametrize("tool", PROBE_TOOLS)
+def test_probe_tool_compiles_clean(nvcc, tool, tmp_path):
+    path = CSRC.parent / "tools" / f"{tool}.py"
+    spec = importlib.util.spec_from_file_location(tool, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    source = tmp_path / f"{tool}.cu"
+    source.write_text(module.KERNEL_SRC)
     assert _compile_clean(nvcc, source, tmp_path)
