@@ -20,8 +20,21 @@ local products, one CTA an SM on every SM), in:
   shared memory (the tile the local products would also read), warpgroup 1 forms dv_new
   and X from it with shared-memory products and hands X back, through two named barriers.
 
-It prints ns per chunk for each (mean and max over the CTAs). The values are meaningless
-(constant tiles); only the products' shapes and dependencies are the chain's.
+- ``fused``: ``split`` inside the register file and shared memory of a fused kernel: four
+  warpgroups (512 threads, setmaxnreg 224 / 160 / 64 / 64: 64K registers), the state
+  warpgroup, the chain's second warpgroup forming dv_new and X one 64-row block at a time,
+  and two warpgroups each running 64 m64n64k16 products a chunk from shared memory (16.8
+  MFLOP in all, about the chunk-local gradients' work) on the dS tile of the chunk they
+  follow; dS double-buffered, so the local products of chunk c run beside the chain of
+  chunk c + 1. Its ns a chunk against ``split``'s and the local products' own says
+  whether the chain hides under the local work (the premise of a fused kernel's time a
+  tile; docs/kernels.md, Backward, "Next");
+- ``local``: the fused layout's two local warpgroups alone (the chain's warpgroups return
+  at once): the local products' own time a chunk.
+
+It prints ns per chunk for each (mean and max over the CTAs; a chunk's time is its
+slowest warpgroup's). The values are meaningless (constant tiles); only the products'
+shapes and dependencies are the chain's.
 """
 
 from __future__ import annotations
@@ -286,16 +299,190 @@ __global__ void __launch_bounds__(256, 1) chain_split(int chunks, float* ns, flo
   }
 }
 
+// Layout "fused": four warpgroups. Shared memory: the tiles of the layouts above at the
+// same offsets, dS^T double-buffered (kDS, kDS2), X after them, the vectors last.
+constexpr int kDS2 = 114688, kX2 = 147456, kVec2 = 163840;
+constexpr int kFusedBytes = kVec2 + 3 * 64 * 4;
+constexpr int kFusedSmemRequest = 168 * 1024;
+static_assert(kFusedBytes + 1023 <= kFusedSmemRequest, "the fused layout's tiles fit the request, aligned");
+// Named barriers: dS^T of parity p published (1 + p; the state warpgroup arrives, the
+// other three sync: 512), X published (3: 256), the local warpgroups done with the dS^T
+// of parity p (4 + p: they arrive, the state warpgroup syncs: 384).
+constexpr int kBarReady = 1, kBarXf = 3, kBarLocalDone = 4;
+constexpr int kLocalProducts = 8;  // a local warpgroup's products a chunk, 8 k16 steps each
+
+__device__ __forceinline__ void fill_fused(unsigned char* sm) {
+  for (int i = threadIdx.x; i < kVec2 / 4; i += blockDim.x)
+    reinterpret_cast<uint32_t*>(sm)[i] = mma::pack_bf16(0.01f, -0.01f);
+  float* v = reinterpret_cast<float*>(sm + kVec2);
+  for (int i = threadIdx.x; i < 3 * 64; i += blockDim.x) v[i] = i < 64 ? 1.f : (i < 128 ? -0.01f : 0.01f);
+  wgmma::fence_proxy_async();
+  __syncthreads();
+}
+
+// kChain = false: the two local warpgroups alone (their own time a chunk, no chain).
+template <bool kChain>
+__global__ void __launch_bounds__(512, 1) chain_fused(int chunks, float* ns, float* sink) {
+  extern __shared__ unsigned char raw[];
+  unsigned char* sm = raw + ((1024 - (mma::smem_addr(raw) & 1023)) & 1023);
+  fill_fused(sm);
+  const int wg = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0);
+  const int warp = (threadIdx.x >> 5) & 3, lane = threadIdx.x & 31, t4 = lane & 3;
+  const uint32_t base = mma::smem_addr(sm);
+  const float* vec = reinterpret_cast<const float*>(sm + kVec2);
+  const auto ds_tile = [base](int c) { return base + ((c & 1) ? kDS2 : kDS); };
+  const uint64_t t0 = now_ns();
+  float keep = 0.f;  // each role's results, reduced, so that nothing is dead code
+  if (wg == 0) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+    float s0[64], s1[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) s0[i] = s1[i] = 0.f;
+    for (int c = 0; c < (kChain ? chunks : 0); ++c) {
+      if (c >= 2) mma::bar_sync(kBarLocalDone + (c & 1), 384);  // chunk c - 2's local products are done
+      {
+        uint32_t f[8][4];
+        wgmma::to_a_frags(f, s0);
+        store_frags(f, ds_tile(c), warp, lane);
+        wgmma::to_a_frags(f, s1);
+        store_frags(f, ds_tile(c) + 16384, warp, lane);
+      }
+      wgmma::fence_proxy_async();
+      mma::bar_arrive(kBarReady + (c & 1), 512);
+      uint32_t d0[4][4], d1[4][4];
+      load_do_frags(d0, base + kDo, 0, warp, lane);
+      load_do_frags(d1, base + kDo, 1, warp, lane);
+      mma::scale_token_frags(d0, vec + 128, t4);
+      mma::scale_token_frags(d1, vec + 128, t4);
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        s0[i] *= kGamma;
+        s1[i] *= kGamma;
+      }
+      wgmma::fence_operands(s0);
+      wgmma::fence_operands(s1);
+      mma::bar_sync(kBarXf, 256);
+      const int mi = lane >> 3, r8 = lane & 7;
+      uint32_t x0[4][4], x1[4][4];
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) {
+        mma::ldmatrix_x4(x0[ks], base + kX2 + sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)));
+        mma::ldmatrix_x4(x1[ks], base + kX2 + 8192 + sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)));
+      }
+      wgmma::fence();
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s0, x0[ks], wgmma::desc_mn_major(base + kK, 64, ks), 1);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s1, x1[ks], wgmma::desc_mn_major(base + kK, 64, ks), 1);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s0, d0[ks], wgmma::desc_mn_major(base + kQ, 64, ks), 1);
+#pragma unroll
+      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s1, d1[ks], wgmma::desc_mn_major(base + kQ, 64, ks), 1);
+      wgmma::commit();
+      wgmma::wait<0>();
+      wgmma::fence_operands(s0);
+      wgmma::fence_operands(s1);
+    }
+    // The local warpgroups' last two arrivals, so that no barrier is left part-arrived.
+    if (kChain)
+      for (int c = chunks > 2 ? chunks : 2; c < chunks + 2; ++c) mma::bar_sync(kBarLocalDone + (c & 1), 384);
+#pragma unroll
+    for (int i = 0; i < 64; ++i) keep += s0[i] + s1[i];
+  } else if (wg == 1) {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
+    for (int c = 0; c < (kChain ? chunks : 0); ++c) {
+      mma::bar_sync(kBarReady + (c & 1), 512);
+#pragma unroll 1
+      for (int b = 0; b < 2; ++b) {  // one 64-row block at a time: the registers of one
+        float y[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) y[i] = 0.f;
+        wgmma::fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks)
+          wgmma::mma_ss_m64n64k16<0, 0>(y, wgmma::desc_k_major(ds_tile(c) + 16384 * b, 64, ks),
+                                        wgmma::desc_k_major(base + kK, 64, ks), ks > 0);
+        wgmma::commit();
+        uint32_t d[4][4];
+        load_do_frags(d, base + kDo, b, warp, lane);
+        wgmma::wait<0>();
+        wgmma::fence_operands(y);
+        mma::scale_columns(y, vec, t4);
+        wgmma::fence();
+#pragma unroll
+        for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<1>(y, d[ks], wgmma::desc_mn_major(base + kP, 64, ks), 1);
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_operands(y);
+        uint32_t v[4][4];
+        wgmma::to_a_frags(v, y);
+        float x[32];
+        wgmma::mma_rs_m64n64_fresh<1>(x, v, base + kA);
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_operands(x);
+        mma::scale_columns(x, vec + 64, t4);
+        uint32_t f[4][4];
+        wgmma::to_a_frags(f, x);
+        store_frags(f, base + kX2 + 8192 * b, warp, lane);
+        keep += x[b];
+      }
+      wgmma::fence_proxy_async();
+      mma::bar_arrive(kBarXf, 256);
+    }
+  } else {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n");
+    for (int c = 0; c < chunks; ++c) {
+      if (kChain) mma::bar_sync(kBarReady + (c & 1), 512);
+      // The chunk-local products: left operand a 64-row block of the dS^T tile the chain
+      // published (or q, do), right operand k, q or do, full K = 128, one accumulator.
+#pragma unroll 1
+      for (int j = 0; j < kLocalProducts; ++j) {
+        const uint32_t left = (j & 1) ? ds_tile(c) + 16384 * ((j >> 1) & 1) : base + ((j & 2) ? kQ : kDo);
+        const uint32_t right = base + ((j & 4) ? kK : kQ);
+        float acc[32];
+#pragma unroll
+        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+        wgmma::fence();
+#pragma unroll
+        for (int ks = 0; ks < 8; ++ks)
+          wgmma::mma_ss_m64n64k16<0, 0>(acc, wgmma::desc_k_major(left, 64, ks), wgmma::desc_k_major(right, 64, ks),
+                                        ks > 0);
+        wgmma::commit();
+        wgmma::wait<0>();
+        wgmma::fence_operands(acc);
+        keep += acc[j & 31];
+      }
+      if (kChain) mma::bar_arrive(kBarLocalDone + (c & 1), 384);
+    }
+  }
+  const uint64_t t1 = now_ns();
+  if (keep == 12345.f) sink[threadIdx.x & 255] = keep;
+  if ((threadIdx.x & 127) == 0) ns[4 * blockIdx.x + wg] = static_cast<float>(t1 - t0) / chunks;
+}
+
+template __global__ void chain_fused<true>(int, float*, float*);
+template __global__ void chain_fused<false>(int, float*, float*);
+
 }  // namespace probe
 """
 
 BINDING_SRC = r"""
 #include <torch/extension.h>
 
+// ns a chunk per (CTA, warpgroup): [ctas, 2] for layouts 0 and 1, [ctas, 4] for 2 and 3.
 torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas) {
   auto opts = torch::TensorOptions().device(torch::kCUDA).dtype(torch::kFloat);
-  auto ns = torch::full({2 * ctas}, NAN, opts);
   auto sink = torch::zeros({256}, opts);
+  if (layout >= 2) {  // 2: fused, 3: its local warpgroups alone
+    auto ns = torch::full({ctas, 4}, NAN, opts);
+    void (*kernel)(int, float*, float*) = layout == 2 ? probe::chain_fused<true> : probe::chain_fused<false>;
+    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, probe::kFusedSmemRequest);
+    kernel<<<ctas, 512, probe::kFusedSmemRequest>>>(static_cast<int>(chunks), ns.data_ptr<float>(),
+                                                    sink.data_ptr<float>());
+    return ns;
+  }
+  auto ns = torch::full({ctas, 2}, NAN, opts);
   auto kernel = layout == 0 ? probe::chain_halves : probe::chain_split;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, probe::kSmemRequest);
   kernel<<<ctas, 256, probe::kSmemRequest>>>(static_cast<int>(chunks), ns.data_ptr<float>(), sink.data_ptr<float>());
@@ -322,14 +509,15 @@ def main() -> int:
         verbose=False,
     )
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
-    for layout, name in ((0, "halves"), (1, "split")):
+    for layout, name in ((0, "halves"), (1, "split"), (2, "fused"), (3, "local")):
         mod.run(layout, 16, ctas)  # warm-up
         ns = mod.run(layout, args.chunks, ctas)
         torch.cuda.synchronize()
-        per_wg = ns.view(ctas, 2)
-        # The chain's time a chunk is its slower warpgroup's.
-        t = per_wg.max(dim=1).values
-        print(f"{name:7s} {t.mean().item():8.1f} ns a chunk (max over {ctas} CTAs {t.max().item():.1f})")
+        if layout == 3:
+            ns = ns[:, 2:]  # the local warpgroups (the chain's return at once)
+        t = ns.max(dim=1).values  # a chunk's time is its slowest warpgroup's
+        print(f"{name:7s} {t.mean().item():8.1f} ns a chunk (max over {ctas} CTAs {t.max().item():.1f}); "
+              f"per warpgroup {', '.join(f'{x:.1f}' for x in ns.mean(dim=0).tolist())}")
     return 0
 
 
