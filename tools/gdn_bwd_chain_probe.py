@@ -21,11 +21,12 @@ local products, one CTA an SM on every SM), in:
   and X from it with shared-memory products and hands X back, through two named barriers.
 
 - ``fused``: ``split`` inside the register file and shared memory of a fused kernel: four
-  warpgroups (512 threads, setmaxnreg 224 / 160 / 64 / 64: 64K registers), the state
-  warpgroup, the chain's second warpgroup forming dv_new and X one 64-row block at a time,
-  and two warpgroups each running 64 m64n64k16 products a chunk from shared memory (16.8
-  MFLOP in all, about the chunk-local gradients' work) on the dS tile of the chunk they
-  follow; dS double-buffered, so the local products of chunk c run beside the chain of
+  warpgroups (512 threads, setmaxnreg 160 / 160 / 96 / 96: 64K registers, the budget of
+  FlashQLA's fused backward), the state warpgroup updating dS^T from shared-memory
+  operands, the chain's second warpgroup forming dv_new and X one 64-row block at a time,
+  and two warpgroups each running four m64n128k128 products a chunk from shared memory
+  (16.8 MFLOP in all, about the chunk-local gradients' work; 64-register accumulators, as
+  dq and dk partials need) on the dS tile of the chunk they follow; dS double-buffered, so the local products of chunk c run beside the chain of
   chunk c + 1. Its ns a chunk against ``split``'s and the local products' own says
   whether the chain hides under the local work (the premise of a fused kernel's time a
   tile; docs/kernels.md, Backward, "Next");
@@ -70,6 +71,27 @@ constexpr int kBytes = kVec + 3 * 64 * 4;
 constexpr int kSmemRequest = 120 * 1024;
 static_assert(kBytes + 1023 <= kSmemRequest, "the tiles fit the request, aligned");
 constexpr float kGamma = 0.9f;
+
+// d[0..63] (+)= A (shared) * B (shared): m64n128k16, bf16 -> fp32 (kTransA / kTransB = 1:
+// that operand MN-major). The repository's kernels have no use for it yet, so it lives here.
+template <int kTransA, int kTransB>
+__device__ __forceinline__ void mma_ss_m64n128k16(float (&d)[64], uint64_t a, uint64_t b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63},"
+      " %64, %65, p, 1, 1, %67, %68;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+        "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]),
+        "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]),
+        "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]),
+        "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]),
+        "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]),
+        "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]),
+        "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
+}
 
 __device__ __forceinline__ uint64_t now_ns() {
   uint64_t t;
@@ -309,7 +331,7 @@ static_assert(kFusedBytes + 1023 <= kFusedSmemRequest, "the fused layout's tiles
 // other three sync: 512), X published (3: 256), the local warpgroups done with the dS^T
 // of parity p (4 + p: they arrive, the state warpgroup syncs: 384).
 constexpr int kBarReady = 1, kBarXf = 3, kBarLocalDone = 4;
-constexpr int kLocalProducts = 8;  // a local warpgroup's products a chunk, 8 k16 steps each
+constexpr int kLocalProducts = 4;  // a local warpgroup's m64n128 products a chunk, 8 k16 steps each
 
 __device__ __forceinline__ void fill_fused(unsigned char* sm) {
   for (int i = threadIdx.x; i < kVec2 / 4; i += blockDim.x)
@@ -334,26 +356,23 @@ __global__ void __launch_bounds__(512, 1) chain_fused(int chunks, float* ns, flo
   const uint64_t t0 = now_ns();
   float keep = 0.f;  // each role's results, reduced, so that nothing is dead code
   if (wg == 0) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 224;\n");
+    // The state warpgroup holds dS^T (128 registers) and updates it with products whose
+    // operands are both in shared memory (X from the chain's second warpgroup; do^T read
+    // MN-major from the do tile), so it needs few registers beside the state.
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 160;\n");
     float s0[64], s1[64];
 #pragma unroll
     for (int i = 0; i < 64; ++i) s0[i] = s1[i] = 0.f;
     for (int c = 0; c < (kChain ? chunks : 0); ++c) {
       if (c >= 2) mma::bar_sync(kBarLocalDone + (c & 1), 384);  // chunk c - 2's local products are done
-      {
+#pragma unroll
+      for (int b = 0; b < 2; ++b) {  // publish dS^T (bf16), one 64-row block at a time
         uint32_t f[8][4];
-        wgmma::to_a_frags(f, s0);
-        store_frags(f, ds_tile(c), warp, lane);
-        wgmma::to_a_frags(f, s1);
-        store_frags(f, ds_tile(c) + 16384, warp, lane);
+        wgmma::to_a_frags(f, b ? s1 : s0);
+        store_frags(f, ds_tile(c) + 16384 * b, warp, lane);
       }
       wgmma::fence_proxy_async();
       mma::bar_arrive(kBarReady + (c & 1), 512);
-      uint32_t d0[4][4], d1[4][4];
-      load_do_frags(d0, base + kDo, 0, warp, lane);
-      load_do_frags(d1, base + kDo, 1, warp, lane);
-      mma::scale_token_frags(d0, vec + 128, t4);
-      mma::scale_token_frags(d1, vec + 128, t4);
 #pragma unroll
       for (int i = 0; i < 64; ++i) {
         s0[i] *= kGamma;
@@ -362,22 +381,19 @@ __global__ void __launch_bounds__(512, 1) chain_fused(int chunks, float* ns, flo
       wgmma::fence_operands(s0);
       wgmma::fence_operands(s1);
       mma::bar_sync(kBarXf, 256);
-      const int mi = lane >> 3, r8 = lane & 7;
-      uint32_t x0[4][4], x1[4][4];
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) {
-        mma::ldmatrix_x4(x0[ks], base + kX2 + sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)));
-        mma::ldmatrix_x4(x1[ks], base + kX2 + 8192 + sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)));
-      }
       wgmma::fence();
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s0, x0[ks], wgmma::desc_mn_major(base + kK, 64, ks), 1);
+      for (int ks = 0; ks < 4; ++ks) {
+        mma_ss_m64n128k16<0, 1>(s0, wgmma::desc_k_major(base + kX2, 64, ks), wgmma::desc_mn_major(base + kK, 64, ks), 1);
+        mma_ss_m64n128k16<0, 1>(s1, wgmma::desc_k_major(base + kX2 + 8192, 64, ks),
+                                wgmma::desc_mn_major(base + kK, 64, ks), 1);
+      }
 #pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s1, x1[ks], wgmma::desc_mn_major(base + kK, 64, ks), 1);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s0, d0[ks], wgmma::desc_mn_major(base + kQ, 64, ks), 1);
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s1, d1[ks], wgmma::desc_mn_major(base + kQ, 64, ks), 1);
+      for (int ks = 0; ks < 4; ++ks) {
+        mma_ss_m64n128k16<1, 1>(s0, wgmma::desc_mn_major(base + kDo, 64, ks), wgmma::desc_mn_major(base + kQ, 64, ks), 1);
+        mma_ss_m64n128k16<1, 1>(s1, wgmma::desc_mn_major(base + kDo + 8192, 64, ks),
+                                wgmma::desc_mn_major(base + kQ, 64, ks), 1);
+      }
       wgmma::commit();
       wgmma::wait<0>();
       wgmma::fence_operands(s0);
@@ -431,27 +447,27 @@ __global__ void __launch_bounds__(512, 1) chain_fused(int chunks, float* ns, flo
       mma::bar_arrive(kBarXf, 256);
     }
   } else {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 64;\n");
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 96;\n");
     for (int c = 0; c < chunks; ++c) {
       if (kChain) mma::bar_sync(kBarReady + (c & 1), 512);
-      // The chunk-local products: left operand a 64-row block of the dS^T tile the chain
-      // published (or q, do), right operand k, q or do, full K = 128, one accumulator.
+      // The chunk-local products, 64 x 128 outputs as dq and dk partials are: left operand
+      // a 64-row block of the dS^T tile the chain published (or q, do), right operand k or
+      // q read MN-major, K = 128, one 64-register accumulator.
 #pragma unroll 1
       for (int j = 0; j < kLocalProducts; ++j) {
         const uint32_t left = (j & 1) ? ds_tile(c) + 16384 * ((j >> 1) & 1) : base + ((j & 2) ? kQ : kDo);
-        const uint32_t right = base + ((j & 4) ? kK : kQ);
-        float acc[32];
+        const uint32_t right = base + ((j & 2) ? kK : kQ);
+        float acc[64];
 #pragma unroll
-        for (int i = 0; i < 32; ++i) acc[i] = 0.f;
+        for (int i = 0; i < 64; ++i) acc[i] = 0.f;
         wgmma::fence();
 #pragma unroll
         for (int ks = 0; ks < 8; ++ks)
-          wgmma::mma_ss_m64n64k16<0, 0>(acc, wgmma::desc_k_major(left, 64, ks), wgmma::desc_k_major(right, 64, ks),
-                                        ks > 0);
+          mma_ss_m64n128k16<0, 1>(acc, wgmma::desc_k_major(left, 64, ks), wgmma::desc_mn_major(right, 128, ks), ks > 0);
         wgmma::commit();
         wgmma::wait<0>();
         wgmma::fence_operands(acc);
-        keep += acc[j & 31];
+        keep += acc[j & 63];
       }
       if (kChain) mma::bar_arrive(kBarLocalDone + (c & 1), 384);
     }
