@@ -113,7 +113,7 @@ def format_number(x: float | None, width: int = 9, prec: int = 3) -> str:
 
 def format_table(report: dict) -> str:
     """One line per result row (``*``: unstable; an error follows the columns), then notes."""
-    head = ["shape", "op", "arm", "kernel_ms", "stream_ms", "sync_ms", "floor_ms", "cake/arm", "peak_MiB"]
+    head = ["shape", "op", "arm", "kernel_ms", "stream_ms", "sync_ms", "floor_ms", "cake/arm", "cake/arm_s", "peak_MiB"]
     lines = []
     for row in report["results"]:
         unstable = set(row.get("unstable_timings") or [])
@@ -121,12 +121,13 @@ def format_table(report: dict) -> str:
         for t in TIMINGS:
             cells.append(format_number(row[t]).strip() + ("*" if t in unstable else ""))
         cells.append(format_number(row["floor_ms"]).strip())
-        ratio = row.get("cake_over_arm_kernel")
-        if row["arm"] == "cake" or ratio is None:
-            cells.append("-")
-        else:
-            cake = next((r for r in report["results"] if (r["shape"], r["op"], r["arm"]) == (row["shape"], row["op"], "cake")), {})
-            shaky = "kernel_ms" in unstable or "kernel_ms" in set(cake.get("unstable_timings") or [])
+        cake = next((r for r in report["results"] if (r["shape"], r["op"], r["arm"]) == (row["shape"], row["op"], "cake")), {})
+        for t, key in (("kernel_ms", "cake_over_arm_kernel"), ("stream_ms", "cake_over_arm_stream")):
+            ratio = row.get(key)
+            if row["arm"] == "cake" or ratio is None:
+                cells.append("-")
+                continue
+            shaky = t in unstable or t in set(cake.get("unstable_timings") or [])
             cells.append(f"{ratio:.2f}" + ("*" if shaky else ""))
         peak = row.get("peak_mem_bytes")
         cells.append(format_number(None if peak is None else peak / MIB, prec=1).strip())
@@ -140,7 +141,7 @@ def format_table(report: dict) -> str:
         out.append("  ".join(body + cells[len(head):]))
     notes = [
         f"* drift (|last group median - first| / median of group medians) > {UNSTABLE_DRIFT:.0%}; "
-        "cake/arm = cake kernel_ms / arm kernel_ms (> 1: the arm is faster)",
+        "cake/arm = cake kernel_ms / arm kernel_ms, cake/arm_s the same of stream_ms (> 1: the arm is faster)",
         f"floor_ms = FLOP / measured bf16 matmul rate ({report['meta']['matmul_tflops']:.3g} TFLOP/s); "
         f"fwdbwd = {FWDBWD_OVER_FWD} x fwd FLOP, ckpt = fwd + fwdbwd",
         "peak_MiB = allocator peak during one call above the memory allocated before it (CUDA only)",

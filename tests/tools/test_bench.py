@@ -96,23 +96,27 @@ def test_table_marks_unstable_and_wall_clock():
         "meta": {"timing": "wall-clock", "matmul_tflops": 1.0},
         "results": [
             {**row, "arm": "cake", "kernel_ms": 1.0, "stream_ms": 2.0, "sync_ms": 3.0,
-             "unstable_timings": ["stream_ms"], "cake_over_arm_kernel": 1.0, "peak_mem_bytes": 3 << 20},
+             "unstable_timings": ["stream_ms"], "cake_over_arm_kernel": 1.0, "cake_over_arm_stream": 1.0,
+             "peak_mem_bytes": 3 << 20},
             {**row, "arm": "fla", "kernel_ms": 2.0, "stream_ms": 2.0, "sync_ms": 3.0,
-             "unstable_timings": ["kernel_ms"], "cake_over_arm_kernel": 0.5, "peak_mem_bytes": None},
+             "unstable_timings": ["kernel_ms"], "cake_over_arm_kernel": 0.5, "cake_over_arm_stream": 1.0,
+             "peak_mem_bytes": None},
             {**row, "arm": "torch", "kernel_ms": None, "stream_ms": None, "sync_ms": None,
-             "unstable_timings": [], "cake_over_arm_kernel": None, "error": "failed the accuracy check"},
+             "unstable_timings": [], "cake_over_arm_kernel": None, "cake_over_arm_stream": None,
+             "error": "failed the accuracy check"},
         ],
     }
     lines = format_table(report).splitlines()
     assert lines[0].split() == [
-        "shape", "op", "arm", "kernel_ms", "stream_ms", "sync_ms", "floor_ms", "cake/arm", "peak_MiB",
+        "shape", "op", "arm", "kernel_ms", "stream_ms", "sync_ms", "floor_ms", "cake/arm", "cake/arm_s", "peak_MiB",
     ]
     assert "2.000*" in lines[1] and "1.000*" not in lines[1]
-    assert "0.50*" in lines[2] and "2.000*" in lines[2]
+    # fla: its kernel_ms is shaky (0.50*), its stream ratio is shaky through cake's stream_ms (1.00*).
+    assert lines[2].split()[7:9] == ["0.50*", "1.00*"] and "2.000*" in lines[2]
     assert "failed the accuracy check" in lines[3]
     assert any("NO CUDA" in line for line in lines)
     # peak memory: MiB in the last column, "-" where not measured (no CUDA) or missing.
-    assert [line.split()[8] for line in lines[1:4]] == ["3.0", "-", "-"]
+    assert [line.split()[9] for line in lines[1:4]] == ["3.0", "-", "-"]
 
 
 def test_kernel_names_are_shortened():
@@ -229,7 +233,7 @@ def test_quick_run_on_cpu(tmp_path):
     assert report["results"][0]["shape"] == "q_single"
     table = format_table(report).splitlines()
     assert table[0].split()[-1] == "peak_MiB"
-    assert all(line.split()[8] == "-" for line in table[1 : 1 + len(rows)])
+    assert all(line.split()[9] == "-" for line in table[1 : 1 + len(rows)])
 
 
 def test_sigterm_reports_the_cells_timed_so_far(tmp_path, monkeypatch):
