@@ -225,8 +225,8 @@ at::Tensor workspace_piece(const at::Tensor& workspace, int64_t offset, at::Scal
 // mode, for the same arguments as gdn_fwd (the same checks, the same plan). Returns views
 // of the one backward workspace (which also holds the reverse walk's dS and dv_new
 // tapes, not returned here): h [NC, HV, 128 (v), 128 (k)] bf16 (S^T at each chunk's
-// start), v_new [NC, HV, 64, 128] bf16 (rows past a document's end 0), a = A diag(beta)
-// and a_unit = A [NC, HV, 64, 64] bf16, gcum [NC, HV, 64] fp32, qk_lrn [NC, H, 2, 64]
+// start), v_new [NC, HV, 64, 128] bf16 (rows past a document's end 0), a = A
+// [NC, HV, 64, 64] bf16, chunk_beta [NC, HV, 64] fp32, gcum [NC, HV, 64] fp32, qk_lrn [NC, H, 2, 64]
 // fp32 (empty [0] without use_qk_l2norm), chunk_offsets [N + 1] int32; NC = ceil(T / 64)
 // + N. Slots from chunk_offsets[N] on are left unwritten.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_tapes(
@@ -250,17 +250,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {workspace_piece(c.workspace, w.chunks + w.chunk.h_tape, at::kBFloat16, {NC, HV, D, D}),
           workspace_piece(c.workspace, w.chunks + w.chunk.v_new_tape, at::kBFloat16, {NC, HV, C, D}),
           workspace_piece(c.workspace, w.chunks + w.chunk.a, at::kBFloat16, {NC, HV, C, C}),
-          workspace_piece(c.workspace, w.chunks + w.chunk.a_unit, at::kBFloat16, {NC, HV, C, C}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.chunk_beta, at::kFloat, {NC, HV, C}),
           workspace_piece(c.workspace, w.chunks + w.chunk.gcum, at::kFloat, {NC, HV, C}),
           qk_lrn,
           chunk_offsets};
 }
 
-// The prep stage alone: (a [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot,
-// gcum [NC, HV, 64] fp32, chunk_decay [NC, HV] fp32), NC = ceil(T / 64) + N; slots past
+// The prep stage alone: (a [NC, HV, 64, 64] bf16 = A per chunk slot, gcum [NC, HV, 64]
+// fp32, chunk_beta [NC, HV, 64] fp32, chunk_decay [NC, HV] fp32), NC = ceil(T / 64) + N; slots past
 // the last document's last chunk are left unwritten. For tests of the stage and for a
 // backward that reuses A.
-std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& g,
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q, const at::Tensor& k, const at::Tensor& g,
                                                 const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                                 bool use_qk_l2norm) {
   const GdnShapes s = check_gdn_inputs("gdn_fwd_prep", q, k, nullptr, g, beta, cu_seqlens);
@@ -278,6 +278,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
   const GdnWorkspaceLayout& w = plan.ws;
   return {workspace_piece(c.workspace, w.chunks + w.chunk.a, at::kBFloat16, {NC, s.HV, C, C}),
           workspace_piece(c.workspace, w.chunks + w.chunk.gcum, at::kFloat, {NC, s.HV, C}),
+          workspace_piece(c.workspace, w.chunks + w.chunk.chunk_beta, at::kFloat, {NC, s.HV, C}),
           workspace_piece(c.workspace, w.chunks + w.chunk.chunk_decay, at::kFloat, {NC, s.HV})};
 }
 
@@ -287,8 +288,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_prep(const at::Tensor& q,
 // the plan's choice for these shapes, else 1 or 2 (the bits do not depend on it).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& dout, const at::Tensor& a, const at::Tensor& gcum,
-    const std::optional<at::Tensor>& qk_lrn, const std::optional<at::Tensor>& dht, const at::Tensor& chunk_offsets,
-    const at::Tensor& cu_seqlens, int64_t HV, double scale, int64_t value_splits) {
+    const at::Tensor& chunk_beta, const std::optional<at::Tensor>& qk_lrn, const std::optional<at::Tensor>& dht,
+    const at::Tensor& chunk_offsets, const at::Tensor& cu_seqlens, int64_t HV, double scale, int64_t value_splits) {
   constexpr const char* op = "gdn_bwd_walk";
   TORCH_CHECK(value_splits == -1 || value_splits == 1 || value_splits == 2, op,
               ": value_splits must be -1 (the plan's choice), 1 or 2, got ", value_splits);
@@ -327,6 +328,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
               ": gcum must be [NC, HV, 64] = [", NC, ", ", HV, ", 64], got ", gcum.sizes());
   TORCH_CHECK(gcum.scalar_type() == at::kFloat, op, ": gcum must be float32, got ", gcum.scalar_type());
   check_same_device(gcum, q, op, "gcum", "q");
+  TORCH_CHECK(chunk_beta.sizes() == gcum.sizes(), op, ": chunk_beta must be [NC, HV, 64] = [", NC, ", ", HV,
+              ", 64] like gcum, got ", chunk_beta.sizes());
+  TORCH_CHECK(chunk_beta.scalar_type() == at::kFloat, op, ": chunk_beta must be float32, got ",
+              chunk_beta.scalar_type());
+  check_same_device(chunk_beta, q, op, "chunk_beta", "q");
   if (qk_lrn) {
     TORCH_CHECK(qk_lrn->dim() == 4 && qk_lrn->size(0) == NC && qk_lrn->size(1) == H && qk_lrn->size(2) == 2 &&
                     qk_lrn->size(3) == C,
@@ -344,7 +350,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
   TORCH_CHECK(T < (int64_t{1} << 31) - C, op, ": q: T = ", T, " tokens must be below 2^31 - 64");
 
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  const at::Tensor qc = dense16(q), kc = dense16(k), doc = dense16(dout), ac = dense16(a), gc = dense16(gcum);
+  const at::Tensor qc = dense16(q), kc = dense16(k), doc = dense16(dout), ac = dense16(a), gc = dense16(gcum),
+                   bc = dense16(chunk_beta);
   const at::Tensor lrn = qk_lrn ? dense16(*qk_lrn) : at::Tensor();
   const at::Tensor dhtc = dht ? dht->contiguous() : at::Tensor();
   const at::Tensor offs = chunk_offsets.contiguous(), cu = cu_seqlens.contiguous();
@@ -358,6 +365,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_bwd_walk(
   p.dout = doc.data_ptr();
   p.a = ac.data_ptr();
   p.gcum = gc.data_ptr<float>();
+  p.chunk_beta = bc.data_ptr<float>();
   p.qk_lrn = lrn.defined() ? lrn.data_ptr<float>() : nullptr;
   p.dht = dhtc.defined() ? dhtc.data_ptr<float>() : nullptr;
   p.chunk_offsets = offs.data_ptr<int32_t>();
@@ -627,6 +635,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.dout = heads_on<const void>(dout_c.data_ptr(), hv0, D, 2);
     r.a = f.a;
     r.gcum = f.gcum;
+    r.chunk_beta = f.chunk_beta;
     r.qk_lrn = f.qk_lrn;
     r.dht = dht_c.defined() ? heads_on<const float>(dht_c.data_ptr<float>(), hv0, D * D, 4) : nullptr;
     r.chunk_offsets = f.chunk_offsets;
@@ -669,7 +678,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     l.beta = f.beta;
     l.beta_dtype = f.beta_dtype;
     l.gcum = f.gcum;
-    l.a = f.a_unit;
+    l.a = f.a;
     l.h = f.h_tape;
     l.v_new = f.v_new_tape;
     l.ds = r.dS;
@@ -703,14 +712,14 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "-> (Tensor, Tensor)");
   m.def(
       "gdn_fwd_prep(Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, bool use_qk_l2norm) "
-      "-> (Tensor, Tensor, Tensor)");
+      "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "gdn_bwd_tapes(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
       "int value_splits=-1) "
-      "-> (Tensor h, Tensor v_new, Tensor a, Tensor a_unit, Tensor gcum, Tensor qk_lrn, Tensor chunk_offsets)");
+      "-> (Tensor h, Tensor v_new, Tensor a, Tensor chunk_beta, Tensor gcum, Tensor qk_lrn, Tensor chunk_offsets)");
   m.def(
-      "gdn_bwd_walk(Tensor q, Tensor k, Tensor do, Tensor a, Tensor gcum, Tensor? qk_lrn, Tensor? dht, "
+      "gdn_bwd_walk(Tensor q, Tensor k, Tensor do, Tensor a, Tensor gcum, Tensor chunk_beta, Tensor? qk_lrn, Tensor? dht, "
       "Tensor chunk_offsets, Tensor cu_seqlens, int HV, float scale, int value_splits=-1) "
       "-> (Tensor dS, Tensor dv_new, Tensor dh0)");
   m.def(

@@ -8,10 +8,10 @@
 // with dS (K x V fp32, the gradient of the state at the current chunk's end) starting as
 // dht[n, hv] (zeros without dht). Per chunk, with q^, k^ the chunk's (optionally
 // L2-normalised) rows, gcum its chunk-local cumsum, gl = gcum[63], P =
-// scale tril(q^ k^T * e^(gcum_i - gcum_j)), a = A diag(beta) (the prep's workspace):
+// scale tril(q^ k^T * e^(gcum_i - gcum_j)), a = A and beta (the prep's workspace):
 //   dS tape[slot, hv, v, k] = dS[k, v]                                  (bf16, transposed)
 //   dv_new = P^T do + diag(e^(gl - gcum)) k^ dS                         -> dv_new (bf16)
-//   dS     = (scale e^gcum q^)^T do + e^gl dS - (a diag(e^gcum) k^)^T dv_new
+//   dS     = (scale e^gcum q^)^T do + e^gl dS - (a diag(beta e^gcum) k^)^T dv_new
 // and finally dh0[n, hv] = dS. An empty document writes dh0 = dht (or zeros) and no tape.
 //
 // The walk runs at the forward's cut grid (docs/kernels.md, "Backward"), every segment
@@ -28,8 +28,9 @@
 // document, no summaries.
 //
 //   q, k           [T, H, 128] bf16 (raw rows)       do [T, HV, 128] bf16, HV = G * H
-//   a              [NC, HV, 64, 64] bf16 = A diag(beta) per chunk slot
+//   a              [NC, HV, 64, 64] bf16 = A per chunk slot (beta not folded in)
 //   gcum           [NC, HV, 64] fp32 (pads: the last real value)
+//   chunk_beta     [NC, HV, 64] fp32 (pads: 0)
 //   qk_lrn         [NC, H, 2, 64] fp32, log2 of the q then k rows' inverse norms, or
 //                  nullptr (unit norms: the rows are used as given)
 //   dht            [N, HV, 128, 128] fp32 or nullptr (zeros)
@@ -62,6 +63,7 @@ struct GdnBwdWalkArgs {
   const void* dout;  // do
   const void* a;
   const float* gcum;
+  const float* chunk_beta;
   const float* qk_lrn;  // nullptr: unit norms
   const float* dht;     // nullptr: zeros
   const int32_t* chunk_offsets;

@@ -2,15 +2,14 @@
 // stages"): per (chunk slot, q/k head) K K^T (of the L2-normalised keys when asked: the
 // raw product scaled by the row norms in fp32) and the log2 inverse norms of the q and k
 // rows for the walk, and per value head gcum (of g floored at kGdnGateFloor), the chunk's
-// certified log decay (chunk_decay) and the WY inverse A diag(beta). No normalised copy of
-// q or k goes through HBM: the walk loads them raw and applies the norms in fp32
-// (fwd_walk_loads.cuh). The backward's prep (p.a_unit set: a template variant of its
-// own, the forward's code unchanged) also writes A itself to a_unit.
+// certified log decay (chunk_decay), beta per row (chunk_beta) and the WY inverse A. No
+// normalised copy of q or k goes through HBM: the walk loads them raw and applies the
+// norms in fp32 (fwd_walk_loads.cuh). The backward's recompute runs this same prep.
 //
 // Why it is as it is:
 // - Bytes: per (slot, q/k head) the CTA reads k (16 KB), with use_qk_l2norm q (16 KB, for
-//   its norms only: straight into registers) and writes one 8 KB tile of A diag(beta) per
-//   value head and 512 bytes of norms. The norms are formed here, once per q/k head, not
+//   its norms only: straight into registers) and writes one 8 KB tile of A and 256 bytes
+//   of beta per value head and 512 bytes of norms. The norms are formed here, once per q/k head, not
 //   in the walk (whose aux work lies on the path from a chunk's landing to the state
 //   warpgroups) and not as normalised bf16 copies (more bytes). k is requested up front
 //   with cp.async (no registers held while it flies), q and the gates are loaded under
@@ -43,8 +42,10 @@
 //   plain TF32 of un-normalised keys errs above bf16's 2^-8; for unit keys
 //   (use_qk_l2norm) one TF32 product of operands rounded to nearest, whose error is far
 //   under the rounding of A to the bf16 that the walk consumes. A keeps the fp32 range
-//   (un-normalised keys can make it large) and is rounded once, to bf16, after folding in
-//   beta.
+//   (un-normalised keys can make it large) and is rounded once, to bf16. beta is not
+//   folded in: the walks scale the rows that A multiplies by it (fwd_walk_state.cuh,
+//   fwd_walk_reverse.cuh), so the one tile serves them and the backward's dbeta, which
+//   needs A itself (A diag(beta) cannot give A back where beta is 0).
 // - L in log2 units (gl = gcum log2(e) staged once per head, not a multiply an element)
 //   and the strictly-lower mask in the diagonal block's form_l only: the registers that
 //   let unit keys run 6 CTAs an SM without spills.
@@ -68,9 +69,7 @@ namespace {
 constexpr int kPrepThreads = 128;  // 4 warps; warp w owns rows 16w .. 16w+15 of the chunk
 // CTAs per SM: 6 (<= 80 registers a thread) for unit keys, 5 (<= 96) for raw keys, whose
 // 3xTF32 merges spill at 80; ~29 KB of shared memory a CTA.
-// The backward's prep (with a_unit, the stores of a second tile) spills unit keys at 80:
-// it runs at raw keys' 5 CTAs (96 registers) for both.
-constexpr int prep_ctas_per_sm(bool unit_keys, bool with_unit = false) { return unit_keys && !with_unit ? 6 : 5; }
+constexpr int prep_ctas_per_sm(bool unit_keys) { return unit_keys ? 6 : 5; }
 constexpr int kGateHeads = 4;      // value heads whose gates are staged at once: one scan per warp
 
 // Shared memory of the prep CTA (bytes). The k tile (bf16 64x128, swizzled) lives until
@@ -220,34 +219,29 @@ __device__ __forceinline__ void load_diag_transposed(const float* t, Tile& x, in
     for (int e = 0; e < 4; ++e) x[h][e] = t[(8 * h + 2 * t4 + (e & 1)) * kDiagLd + gid + 8 * (e >> 1)];
 }
 
-// Output staging: the warp's 16 rows x 64 columns of A diag(beta) in bf16, rows padded to
-// 144 bytes: the 8 rows of an stmatrix matrix fall in distinct bank quads, row reads take
-// the minimum wavefronts, and every address is a lane term plus a constant.
+// Output staging: the warp's 16 rows x 64 columns of A in bf16, rows padded to 144 bytes:
+// the 8 rows of an stmatrix matrix fall in distinct bank quads, row reads take the
+// minimum wavefronts, and every address is a lane term plus a constant.
 
-// Block (W, W): a = A_WW as it is; column j scaled by beta_j.
-__device__ __forceinline__ void stage_diag(uint32_t stage, const Tile& a, const float* beta, int W, int lane) {
-  const int t4 = lane & 3, m = lane >> 3;
+// Block (W, W): a = A_WW.
+__device__ __forceinline__ void stage_diag(uint32_t stage, const Tile& a, int W, int lane) {
+  const int m = lane >> 3;
   uint32_t r[4];  // matrix 2h + v: rows 8v.., columns 8h.. of the block
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float2 b = *reinterpret_cast<const float2*>(beta + 16 * W + 8 * h + 2 * t4);
+  for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int v = 0; v < 2; ++v) r[2 * h + v] = mma::pack_bf16(a[h][2 * v] * b.x, a[h][2 * v + 1] * b.y);
-  }
+    for (int v = 0; v < 2; ++v) r[2 * h + v] = mma::pack_bf16(a[h][2 * v], a[h][2 * v + 1]);
   mma::stmatrix_x4(stage + (8 * (m & 1) + (lane & 7)) * kStageLd + (2 * W + (m >> 1)) * 16, r);
 }
 
-// Block (W, J), J < W, from at = (A_WJ)^T: stored transposed; column j = 16 J + gid + 8 v.
-__device__ __forceinline__ void stage_transposed(uint32_t stage, const Tile& at, const float* beta, int J,
-                                                 int lane) {
-  const int gid = lane >> 2, m = lane >> 3;
+// Block (W, J), J < W, from at = (A_WJ)^T: stored transposed.
+__device__ __forceinline__ void stage_transposed(uint32_t stage, const Tile& at, int J, int lane) {
+  const int m = lane >> 3;
   uint32_t r[4];  // matrix 2h + v: rows 8v.., columns 8h.. of (A_WJ)^T
 #pragma unroll
-  for (int v = 0; v < 2; ++v) {
-    const float b = beta[16 * J + gid + 8 * v];
+  for (int v = 0; v < 2; ++v)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) r[2 * h + v] = mma::pack_bf16(at[h][2 * v] * b, at[h][2 * v + 1] * b);
-  }
+    for (int h = 0; h < 2; ++h) r[2 * h + v] = mma::pack_bf16(at[h][2 * v], at[h][2 * v + 1]);
   mma::stmatrix_x4_trans(stage + (8 * (m >> 1) + (lane & 7)) * kStageLd + (2 * J + (m & 1)) * 16, r);
 }
 
@@ -263,40 +257,6 @@ __device__ __forceinline__ void store_rows(const unsigned char* stage, __nv_bflo
     *reinterpret_cast<uint4*>(a_out + (16 * W + row) * kGdnChunk + chunk * 8) = v;
   }
   __syncwarp();  // the staging is rewritten by the next value head
-}
-
-// a_unit (the backward's A without beta, gdn.h), straight from the registers as 4-byte
-// stores of bf16 pairs (the staging is the A diag(beta) rows'; the backward's prep only).
-// Block (W, W) from a = A_WW.
-__device__ __forceinline__ void store_unit_diag(__nv_bfloat16* a_unit, const Tile& a, int W, int lane) {
-  const int gid = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int v = 0; v < 2; ++v)
-      *reinterpret_cast<uint32_t*>(a_unit + (16 * W + gid + 8 * v) * kGdnChunk + 16 * W + 8 * h + 2 * t4) =
-          mma::pack_bf16(a[h][2 * v], a[h][2 * v + 1]);
-}
-
-// Block (W, J), J < W, from at = (A_WJ)^T: at[h][e] is A_WJ's (8 h + 2 t4 + (e & 1),
-// gid + 8 (e >> 1)), one bf16 each (a warp's store: 16 bytes in each of 4 rows).
-__device__ __forceinline__ void store_unit_transposed(__nv_bfloat16* a_unit, const Tile& at, int W, int J, int lane) {
-  const int gid = lane >> 2, t4 = lane & 3;
-#pragma unroll
-  for (int h = 0; h < 2; ++h)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      a_unit[(16 * W + 8 * h + 2 * t4 + (e & 1)) * kGdnChunk + 16 * J + gid + 8 * (e >> 1)] = __float2bfloat16_rn(at[h][e]);
-}
-
-// Blocks (W, J > W): zeros, 16-byte stores.
-__device__ __forceinline__ void store_unit_zeros(__nv_bfloat16* a_unit, int W, int lane) {
-#pragma unroll
-  for (int it = 0; it < 4; ++it) {
-    const int row = 4 * it + (lane >> 3), chunk = lane & 7;
-    if (chunk >= 2 * W + 2)
-      *reinterpret_cast<uint4*>(a_unit + (16 * W + row) * kGdnChunk + chunk * 8) = make_uint4(0u, 0u, 0u, 0u);
-  }
 }
 
 struct InverseSmem {
@@ -334,17 +294,10 @@ __device__ __forceinline__ void form_l(const float4* s_kk, const float* gl, cons
 // One value head, block row W = this warp of the chunk; see the file comment. gl, beta: this head's
 // 64 gcum log2(e) and beta values (shared memory). W is a runtime value and the rounds a loop, so
 // that the four warps run one copy of the code: a copy per block row stalls on
-// instruction-cache misses (docs/experiments.md). kWithUnit: A itself to a_unit too, at
-// a_out + s_unit_offset bytes, read from shared memory where used (after the rounds'
-// barriers) rather than held in registers through them.
-__shared__ int64_t s_unit_offset;  // kWithUnit: p.a_unit - p.a in bytes
-
-template <bool kUnitKeys, bool kWithUnit>
+// instruction-cache misses (docs/experiments.md).
+template <bool kUnitKeys>
 __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const float* gl, const float* beta,
                                                  __nv_bfloat16* a_out, int W) {
-  auto a_unit = [a_out] {
-    return reinterpret_cast<__nv_bfloat16*>(reinterpret_cast<unsigned char*>(a_out) + s_unit_offset);
-  };
   const int lane = lane_id();
   unsigned char* stage_ptr = s.stage + W * kStageBytes;
   const uint32_t stage = mma::smem_addr(stage_ptr);
@@ -355,8 +308,7 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
   float a[2][4];  // A_WW
   invert_unit_lower(l, a, lane);
   if (W < 3) store_diag(s.diag + W * 16 * kDiagLd, a, lane);
-  stage_diag(stage, a, beta, W, lane);
-  if constexpr (kWithUnit) store_unit_diag(a_unit(), a, W, lane);
+  stage_diag(stage, a, W, lane);
 
   // Rounds 1..3: T^T_J = sum_{K=J}^{W-1} (A_KJ)^T L_WK^T, term (J, K) in round K - J + 1;
   // when complete (round W - J), (A_WJ)^T = -T^T_J A_WW^T. J is unrolled (tt stays in
@@ -364,10 +316,7 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
   float tt[3][2][4] = {};
 #pragma unroll 1
   for (int round = 1; round <= 3; ++round) {
-    if (round == W + 1) {  // row W is complete
-      store_rows(stage_ptr, a_out, W, lane);
-      if constexpr (kWithUnit) store_unit_zeros(a_unit(), W, lane);
-    }
+    if (round == W + 1) store_rows(stage_ptr, a_out, W, lane);  // row W is complete
     mma::cta_barrier();  // the warps reach it from different code: the non-.aligned form
 #pragma unroll
     for (int J = 2; J >= 0; --J) {
@@ -386,8 +335,7 @@ __device__ __forceinline__ void invert_block_row(const InverseSmem& s, const flo
 #pragma unroll
           for (int e = 0; e < 4; ++e) at[h][e] = -at[h][e];
         if (W < 3) store_frag(s.off + (J + W - 1) * 64, at, lane);
-        stage_transposed(stage, at, beta, J, lane);
-        if constexpr (kWithUnit) store_unit_transposed(a_unit(), at, W, J, lane);
+        stage_transposed(stage, at, J, lane);
       }
     }
   }
@@ -484,7 +432,7 @@ __device__ __forceinline__ void row_norms(const RowChunks& raw, float* lrn, floa
 // hv0 + w: the chunk-local inclusive cumsum of g floored at kGdnGateFloor (pads have
 // g = 0, so they repeat the last value) to p.gcum, and in log2 units (gl = gcum log2(e), what the exponentials of L take)
 // to shared memory with its last value as it is (the chunk's decay); beta (0 on pads) to
-// shared memory.
+// shared memory and to p.chunk_beta (the walks scale the rows A multiplies by it).
 __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& pos, int64_t slot, int64_t hv0,
                                            int n, float (*s_gl)[kGdnChunk], float* s_gc_last, float (*s_beta)[kGdnChunk]) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -502,11 +450,13 @@ __device__ __forceinline__ void load_gates(const GdnFwdArgs& p, const ChunkPos& 
   warp_inclusive_scan(x);  // the two halves' scans side by side
   x[1] += __shfl_sync(0xffffffffu, x[0], 31);
   float* gcum = p.gcum + (slot * p.HV + hv) * kGdnChunk;
+  float* chunk_beta = p.chunk_beta + (slot * p.HV + hv) * kGdnChunk;
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
     s_gl[warp][32 * s + lane] = x[s] * mma::kLog2e;
     s_beta[warp][32 * s + lane] = b[s];
     gcum[32 * s + lane] = x[s];
+    chunk_beta[32 * s + lane] = b[s];
   }
   if (lane == 31) s_gc_last[warp] = x[1];
 }
@@ -529,9 +479,8 @@ __device__ __forceinline__ void write_chunk_decay(float* out, const float* gc_la
 }
 
 // kUnitKeys = p.use_qk_l2norm: q and k rows are normalised here (and in the walk).
-// kWithUnit = (p.a_unit != nullptr): the backward's prep, A itself to a_unit as well.
-template <bool kUnitKeys, bool kWithUnit>
-__global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys, kWithUnit))
+template <bool kUnitKeys>
+__global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys))
     gdn_fwd_prep_kernel(const GdnFwdArgs p) {
   __shared__ __align__(128) unsigned char smem[kSmemBytes];
   __shared__ float s_gl[kGateHeads][kGdnChunk];  // gcum log2(e)
@@ -551,9 +500,6 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys, kWit
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int mi = lane >> 3, r8 = lane & 7;  // ldmatrix: matrix index and row of this lane's address
   const int G = static_cast<int>(p.HV) / H;
-
-  if (kWithUnit && threadIdx.x == 0)  // (read after the barriers below)
-    s_unit_offset = static_cast<const unsigned char*>(p.a_unit) - static_cast<const unsigned char*>(p.a);
 
   // 1. k in flight, q's rows (for their norms) and the first value heads' gates meanwhile.
   copy_rows(static_cast<const __nv_bfloat16*>(p.k), smem + kKTile, pos, p.H_stride, h);
@@ -622,7 +568,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys, kWit
   }
   __syncthreads();  // the k tile is free: the inverse's exchange tiles and staging go there
 
-  // 4. Per value head: A diag(beta), warp w making block row w; gates staged kGateHeads
+  // 4. Per value head: A, warp w making block row w; gates staged kGateHeads
   //    value heads at a time (the first group above).
   const InverseSmem s{reinterpret_cast<const float4*>(smem + kKK), reinterpret_cast<float*>(smem + kDiag),
                       reinterpret_cast<float4*>(smem + kOff), smem + kStage};
@@ -641,7 +587,7 @@ __global__ void __launch_bounds__(kPrepThreads, prep_ctas_per_sm(kUnitKeys, kWit
                                     s_gc_last + warp, s_beta[warp], s_knorm2);
     for (int j = 0; j < n; ++j) {
       __nv_bfloat16* a_out = a_first + (g0 + j) * kGdnChunk * kGdnChunk;
-      invert_block_row<kUnitKeys, kWithUnit>(s, s_gl[j], s_beta[j], a_out, warp);
+      invert_block_row<kUnitKeys>(s, s_gl[j], s_beta[j], a_out, warp);
     }
   }
 }
@@ -652,13 +598,8 @@ cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.T == 0 || p.H == 0) return cudaSuccess;
   const int64_t blocks = gdn_fwd_chunk_slots(p.T, p.N) * p.H;
   const dim3 grid(static_cast<unsigned>(blocks));
-  if (p.a_unit != nullptr) {
-    if (p.use_qk_l2norm) gdn_fwd_prep_kernel<true, true><<<grid, kPrepThreads, 0, stream>>>(p);
-    else gdn_fwd_prep_kernel<false, true><<<grid, kPrepThreads, 0, stream>>>(p);
-  } else {
-    if (p.use_qk_l2norm) gdn_fwd_prep_kernel<true, false><<<grid, kPrepThreads, 0, stream>>>(p);
-    else gdn_fwd_prep_kernel<false, false><<<grid, kPrepThreads, 0, stream>>>(p);
-  }
+  if (p.use_qk_l2norm) gdn_fwd_prep_kernel<true><<<grid, kPrepThreads, 0, stream>>>(p);
+  else gdn_fwd_prep_kernel<false><<<grid, kPrepThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -43,7 +43,7 @@
 //   P    = Q K^T                                   aux    SS  m64n64k128
 //   U^T  = S^T K^T                                 state  RS  m64n64k128
 //   O^T  = S^T Q^T                                 state  RS  m64n64k128
-//   X    = (V^T - e^gcum * U^T) (A diag(beta))^T   state  RS  m64n64k64  (X = v_new^T)
+//   X    = (V^T - e^gcum * U^T) diag(beta) A^T     state  RS  m64n64k64  (X = v_new^T)
 //   S^T  = e^gl S^T + (X * e^(gl - gcum)) K        state  RS  m64n128k64 (K MN-major)
 //   O^T  = scale e^gcum_i * O^T + X P~^T           state  RS  m64n64k64
 // The chain S -> U -> X -> S never leaves registers: S^T, W' = -e^gcum U^T and X are
@@ -167,7 +167,7 @@ cudaError_t encode_walk_maps(const GdnFwdArgs& p, WalkMaps& m) {
   const uint64_t H_row = static_cast<uint64_t>(p.H_stride), HV_row = static_cast<uint64_t>(p.HV_stride);
   const uint64_t row = kGdnHeadDim * 2;  // bytes of one head's row
   constexpr uint32_t kBoxCols = 64;      // one 128-byte SW128 row of bf16
-  constexpr uint64_t kARow = kGdnChunk * 2;  // bytes of one row of an A diag(beta) tile
+  constexpr uint64_t kARow = kGdnChunk * 2;  // bytes of one row of an A tile
   cudaError_t err = tma::encode_bf16_3d(&m.q, p.q, kGdnHeadDim, H, T, row, H_row * row, kBoxCols, 1, kGdnChunk);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.k, p.k, kGdnHeadDim, H, T, row, H_row * row, kBoxCols, 1, kGdnChunk);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v, p.v, kGdnHeadDim, HV, T, row, HV_row * row, kBoxCols, 1, kGdnChunk);
@@ -222,6 +222,7 @@ GdnFwdArgs reverse_walk_args(const GdnBwdWalkArgs& r) {
   p.v = r.dout;
   p.a = const_cast<void*>(r.a);
   p.gcum = const_cast<float*>(r.gcum);
+  p.chunk_beta = const_cast<float*>(r.chunk_beta);
   p.qk_lrn = const_cast<float*>(r.qk_lrn);
   p.chunk_offsets = const_cast<int32_t*>(r.chunk_offsets);
   p.seg_offsets = const_cast<int32_t*>(r.seg_offsets);

@@ -79,12 +79,13 @@ constexpr int kPOff = kAOff + kGdnChunk * kGdnChunk * 2;
 // state warpgroups multiply with (each with the tokens' inverse norms folded in), the
 // log2 inverse norms of q and k rows (loaded with gcum; 0 without use_qk_l2norm), and e^gl.
 constexpr int kGOff = kPOff + kGdnChunk * kGdnChunk * 2;
-constexpr int kGDecayK = 64;   // -e^gcum_j / |k_j|
+constexpr int kGDecayK = 64;   // -beta_j e^gcum_j / |k_j|
 constexpr int kGTailK = 128;   // e^(gl - gcum_j) / |k_j|
 constexpr int kGOutQ = 192;    // scale e^gcum_i / |q_i|
 constexpr int kGLogRq = 256;   // log2(1 / |q_i|) (0 without use_qk_l2norm)
 constexpr int kGLogRk = 320;   // log2(1 / |k_j|)
 constexpr int kGGamma = 384;   // e^gl
+constexpr int kGBeta = 448;    // beta_j (the prep's chunk_beta, loaded with gcum)
 constexpr int kStageBytes = kGOff + 2048;  // padded: every tile stays 1024-aligned
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the base to 1024
 // kOutputTape stages h, and kReverse the dS tape, in 16 KB after the ring (8 warps x 2 KB):
@@ -104,7 +105,7 @@ constexpr int kBarItem = 12;     // summary mode: the whole CTA between two walk
 
 
 // The tensor maps of the walk's TMA loads (common/tma_sm90.cuh; encoded in fwd_walk.cu): q, k, v as [T][heads][128] in
-// boxes of 64 tokens x 64 columns, and the A diag(beta) workspace as [slot x HV][64][64]
+// boxes of 64 tokens x 64 columns, and the A workspace as [slot x HV][64][64]
 // in whole tiles.
 struct WalkMaps {
   CUtensorMap q, k, v, a;

@@ -60,12 +60,12 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const Wal
   // The V columns loaded: both halves, or the split CTA's (column block vh of the tile).
   constexpr int kVBytes = kStateWgs == 2 ? 2 * 64 * 64 * 2 : 64 * 64 * 2;
   const uint32_t load_bytes = (kOutput ? 64 * kGdnHeadDim * 2 : 0) + 64 * kGdnHeadDim * 2 + (with_v ? kVBytes : 0) +
-                              64 * 64 * 2 + 64 * 4 + (p.use_qk_l2norm ? 128 * 4 : 0);
+                              64 * 64 * 2 + 2 * 64 * 4 + (p.use_qk_l2norm ? 128 * 4 : 0);
 
   // One thread issues a chunk's loads (TMA, see common/tma_sm90.cuh): q, k and v rows from the
   // segment's token row (rows past the tensor's end arrive as zeros; past the document's
-  // end, the next document's rows, zeroed below), this (slot, value head)'s A diag(beta)
-  // tile, gcum and the rows' log2 inverse norms.
+  // end, the next document's rows, zeroed below), this (slot, value head)'s A tile, gcum,
+  // beta and the rows' log2 inverse norms.
   auto issue_loads = [&](int c) {
     const int stage = c % kStages;
     if (c >= kStages) mma::bar_sync(kBarEmpty + stage, kThreads);  // the state warpgroups are done with c - 3
@@ -83,6 +83,7 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const Wal
     }
     tma::load_box_3d(st + kAOff, &maps.a, 0, 0, slot_head, bar);
     tma::load_bytes(st + kGOff, p.gcum + static_cast<int64_t>(slot_head) * 64, 64 * 4, bar);
+    tma::load_bytes(st + kGOff + kGBeta * 4, p.chunk_beta + static_cast<int64_t>(slot_head) * 64, 64 * 4, bar);
     if (p.use_qk_l2norm)  // the log2 inverse norms of the q and k rows, contiguous as the stage keeps them
       tma::load_bytes(st + kGOff + kGLogRq * 4, p.qk_lrn + ((first_slot + ch) * p.H + h) * 128, 128 * 4, bar);
   };
@@ -132,10 +133,12 @@ __device__ __forceinline__ void aux_warpgroup(const GdnFwdCoreArgs& p, const Wal
     const uint32_t sq = mma::smem_addr(st + kQOff), sk = mma::smem_addr(st + kKOff);
     float* gs = reinterpret_cast<float*>(st + kGOff);
 
-    // Gate vectors for the state warpgroups, in the form they multiply with.
+    // Gate vectors for the state warpgroups, in the form they multiply with. beta goes
+    // into the decay vector: it scales the rows that A multiplies (the prep's A has no
+    // beta), X = (V^T + W') diag(beta) A^T forward and X = dv_new^T A diag(beta) back.
     if (tid < 64) {
       const float gj = gs[tid], gl = gs[kGdnChunk - 1], lrk = gs[kGLogRk + tid];
-      gs[kGDecayK + tid] = -mma::exp2_ftz(fmaf(gj, mma::kLog2e, lrk));
+      gs[kGDecayK + tid] = -gs[kGBeta + tid] * mma::exp2_ftz(fmaf(gj, mma::kLog2e, lrk));
       gs[kGTailK + tid] = mma::exp2_ftz(fmaf(fminf(gl - gj, 0.f), mma::kLog2e, lrk));
       gs[kGOutQ + tid] = mma::exp2_ftz(fmaf(gj, mma::kLog2e, log2_scale + gs[kGLogRq + tid]));
       if (tid == 0) gs[kGGamma] = mma::exp2_ftz(gl * mma::kLog2e);

@@ -4,14 +4,14 @@
 // walk of the state gradient (gdn/bwd_walk.h) on the forward walk's CTA. Each state
 // warpgroup holds 64 value rows of dS^T (64 x 128 fp32, as the forward holds S^T) across
 // a segment's chunks, from the last to the first; the aux warpgroup loads q, k, do (in v's
-// stage tile), A diag(beta) and the gates, and forms P~ and the gate vectors exactly as
-// for the forward's output (fwd_walk_loads.cuh): tail = e^(gl - gcum_j) / |k_j|,
-// decay = -e^gcum_m / |k_m|, outq = scale e^gcum_i / |q_i|, gamma = e^gl. Per chunk, the
+// stage tile), A and the gates, and forms P~ and the gate vectors exactly as for the
+// forward's output (fwd_walk_loads.cuh): tail = e^(gl - gcum_j) / |k_j|,
+// decay = -beta_m e^gcum_m / |k_m|, outq = scale e^gcum_i / |q_i|, gamma = e^gl. Per chunk, the
 // forward's products in the transposed direction:
 //   Y   = dS^T K^T                         RS  m64n64k128   (as U^T)
 //   dv_new^T = Y diag(tail) + do^T P~      RS  m64n64k64 onto the scaled Y (do^T fragments;
 //                                          P~ MN-major); bf16: X's operand and the dv_new output
-//   X   = dv_new^T (A diag(beta))          RS  m64n64k64    (A MN-major)
+//   X   = dv_new^T A                       RS  m64n64k64    (A MN-major; beta in decay)
 //   dS^T = gamma dS^T + (X diag(decay)) K + (do^T diag(outq)) Q   RS  m64n128k64 x 2
 // The dS tape (dS^T at the chunk's end, bf16) goes out as the forward's h tape does, from
 // the fragments of Y's operand, staged after the ring (kHStageOff); dv_new as o does, into
@@ -104,7 +104,8 @@ __device__ __forceinline__ void reverse_state_warpgroup(const GdnFwdCoreArgs& p,
     uint32_t dvfrag[4][4];
     wgmma::to_a_frags(dvfrag, y);
 
-    // (3) Group 3: X = dv_new^T (A diag(beta)): B[j][m] = a[j][m], the A tile MN-major.
+    // (3) Group 3: X = dv_new^T A: B[j][m] = a[j][m], the A tile MN-major (its columns'
+    // beta_m comes with the decay vector below).
     float x[32];
     wgmma::mma_rs_m64n64_fresh<1>(x, dvfrag, sa);
     wgmma::commit();

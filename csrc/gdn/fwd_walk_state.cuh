@@ -159,10 +159,11 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
       store_h_chunk(sfrag, smem + (kOutput ? kHStageOff : kQOff) + (4 * wg + warp) * 2048, h_rows);
     }
 
-    // (2) Group 3: X = (V^T + W') (A diag(beta))^T with W' = -e^gcum_j U^T, the sum formed
-    // in fp32 (one fma per element, in place of U^T) and rounded to bf16 once: one k64
-    // product on the serial chain rather than one for V^T and one for W'. V^T comes as
-    // A fragments (tokens = k), read k-step by k-step (no registers to hold all four).
+    // (2) Group 3: X = (V^T + W') diag(beta) A^T with W' = -e^gcum_j U^T, the sum formed
+    // in fp32 (one fma per element, in place of U^T; beta_j in the decay vector and on
+    // V^T) and rounded to bf16 once: one k64 product on the serial chain rather than one
+    // for V^T and one for W'. V^T comes as A fragments (tokens = k), read k-step by
+    // k-step (no registers to hold all four).
     wgmma::wait<1>();
     wgmma::fence_operands(u);
 #pragma unroll
@@ -175,8 +176,9 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
         // tokens 8 (i / 4) + 2 t4 (+1), as in scale_columns.
         const int i = 8 * ks + 2 * r;
         const float2 e = *reinterpret_cast<const float2*>(gs + kGDecayK + 8 * (i >> 2) + 2 * t4);
-        u[i] = fmaf(u[i], e.x, __uint_as_float(vfrag[r] << 16));
-        u[i + 1] = fmaf(u[i + 1], e.y, __uint_as_float(vfrag[r] & 0xffff0000u));
+        const float2 b = *reinterpret_cast<const float2*>(gs + kGBeta + 8 * (i >> 2) + 2 * t4);
+        u[i] = fmaf(u[i], e.x, __uint_as_float(vfrag[r] << 16) * b.x);
+        u[i + 1] = fmaf(u[i + 1], e.y, __uint_as_float(vfrag[r] & 0xffff0000u) * b.y);
       }
     }
     uint32_t wfrag[4][4];

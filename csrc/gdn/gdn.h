@@ -51,9 +51,10 @@
 // Workspaces (contents need no initialisation; sizes and offsets: GdnPlan, plan.h;
 // docs/kernels.md, "Workspaces"):
 //   chunk_offsets  [N + 1] int32                 first chunk slot of each document
-//   a              [NC, HV, 64, 64] bf16         A diag(beta) per chunk slot
+//   a              [NC, HV, 64, 64] bf16         A = (I + L)^-1 per chunk slot (beta not folded in)
 //   gcum           [NC, HV, 64] fp32             chunk-local cumsum of the floored g
 //                                                (kGdnGateFloor; pads: last value)
+//   chunk_beta     [NC, HV, 64] fp32             beta of the chunk's rows (pads: 0)
 //   chunk_decay    [NC, HV] fp32                 the chunk's log decay gcum[63] when every
 //                                                token's update I - beta k k^T is a contraction
 //                                                (0 <= beta |k|^2 <= 2), else +inf
@@ -67,7 +68,6 @@
 //                                                order, then -1 (ND = gdn_fwd_chain_doc_slots)
 //   walk_queue     [1] int32                     the next summary walk to hand out (the plan zeroes it)
 // and for the backward (gdn_bwd_make_plan), after them:
-//   a_unit         [NC, HV, 64, 64] bf16         A itself (the chunk-local gradients' dbeta)
 //   h_tape         [NC, HV, 128, 128] bf16       [slot, hv, v, k] = S_c[k, v], the chunk's start state
 //   v_new_tape     [NC, HV, 64, 128] bf16        v_new (rows past the document's end: 0)
 //   dS_tape        [NC, HV, 128, 128] bf16       the reverse walk's dS (gdn/bwd_walk.h; its
@@ -106,6 +106,7 @@ struct GdnFwdCoreArgs {
   int32_t* chunk_offsets;
   void* a;
   float* gcum;
+  float* chunk_beta;
   float* chunk_decay;
   float* qk_lrn;
   int32_t* seg_offsets;
@@ -135,7 +136,6 @@ struct GdnFwdCoreArgs {
 // space) follow the core, and a longer struct would move them and so change the
 // forward walk's code.
 struct GdnFwdArgs : GdnFwdCoreArgs {
-  void* a_unit;      // [NC, HV, 64, 64] bf16: A itself (unit lower, no beta), written by the prep if non-null
   void* h_tape;      // [NC, HV, 128 (v), 128 (k)] bf16: S^T at each chunk's start (the tape walk)
   void* v_new_tape;  // [NC, HV, 64 (t), 128 (v)] bf16: v_new per chunk, rows past the document's end 0
 };
@@ -162,11 +162,11 @@ constexpr float kGdnGateFloor = -128.f;
 cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
 // The backward's forward-direction recompute ("B1"; docs/kernels.md, "Backward tapes"):
-// plan, prep (with a_unit), summaries and chain as the forward's, then the walk in tape
+// plan, prep, summaries and chain as the forward's, then the walk in tape
 // mode, so the tapes are those of the forward's own walk (same plan, same start states,
 // same instructions). args: a backward plan applied (gdn_bwd_make_plan, plan.h); o and
 // final_state are not read or written. Writes, per used chunk slot (< chunk_offsets[N])
-// and value head, every element of h_tape, v_new_tape, a, a_unit, gcum (and qk_lrn with
+// and value head, every element of h_tape, v_new_tape, a, gcum, chunk_beta (and qk_lrn with
 // use_qk_l2norm); later slots are left unwritten. In two parts, for a backward that runs
 // the reverse walk beside the second (it needs the first's plan offsets, A and gates
 // only): gdn_bwd_tapes_prep_launch (plan, prep), gdn_bwd_tapes_walk_launch (summaries,

@@ -231,9 +231,9 @@ GdnChunkLayout gdn_chunk_layout(int64_t T, int64_t N, int64_t H, int64_t HV, boo
   l.with_tapes = with_tapes;
   l.a = c.take(tiles * kATile);
   l.gcum = c.take(tiles * kGdnChunk * 4);
+  l.chunk_beta = c.take(tiles * kGdnChunk * 4);
   l.chunk_decay = c.take(tiles * 4);
   l.qk_lrn = c.take(use_qk_l2norm ? gdn_fwd_chunk_slots(T, N) * H * 2 * kGdnChunk * 4 : 0);
-  l.a_unit = c.take(with_tapes ? tiles * kATile : 0);
   l.h_tape = c.take(with_tapes ? tiles * kStateTile : 0);
   l.v_new_tape = c.take(with_tapes ? tiles * kChunkTile : 0);
   l.bytes = c.bytes;
@@ -289,6 +289,7 @@ void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a, voi
   a.chunk_offsets = reinterpret_cast<int32_t*>(base + w.chunk_offsets);
   a.a = chunks + l.a;
   a.gcum = reinterpret_cast<float*>(chunks + l.gcum);
+  a.chunk_beta = reinterpret_cast<float*>(chunks + l.chunk_beta);
   a.chunk_decay = reinterpret_cast<float*>(chunks + l.chunk_decay);
   a.qk_lrn = plan.use_qk_l2norm ? reinterpret_cast<float*>(chunks + l.qk_lrn) : nullptr;
   a.seg_offsets = reinterpret_cast<int32_t*>(base + w.seg_offsets);
@@ -297,7 +298,6 @@ void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a, voi
   a.seg_exact = inner ? reinterpret_cast<int32_t*>(base + w.seg_exact) : nullptr;
   a.chain_docs = cut ? reinterpret_cast<int32_t*>(base + w.chain_docs) : nullptr;
   a.walk_queue = cut ? reinterpret_cast<int32_t*>(base + w.walk_queue) : nullptr;
-  a.a_unit = l.with_tapes ? chunks + l.a_unit : nullptr;
   a.h_tape = l.with_tapes ? chunks + l.h_tape : nullptr;
   a.v_new_tape = l.with_tapes ? chunks + l.v_new_tape : nullptr;
   a.T = plan.T;
