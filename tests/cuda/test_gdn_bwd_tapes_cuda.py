@@ -1,8 +1,8 @@
 """The CUDA recompute of the GDN backward (``torch.ops.cake_cuda.gdn_bwd_tapes``, csrc/gdn/:
-the forward's plan, prep with a_unit, summaries and chain, then the walk in tape mode) on
+the forward's plan, prep, summaries and chain, then the walk in tape mode) on
 the GPU, against the PyTorch chunked backward's forward walk (``cake_ops.pytorch.gdn``
 ``prepare`` + ``walk_tapes``, fp32): the h tape (S^T at each chunk's start) on the used
-chunk slots, v_new on the real token rows (zeros on pad rows), a_unit = A, a = A diag(beta)
+chunk slots, v_new on the real token rows (zeros on pad rows), a = A and chunk_beta
 (bitwise the forward prep's), gcum, qk_lrn and chunk_offsets; under NaN-poisoned
 allocation (the workspace's bytes are 0xff: NaN in bf16 and fp32), so an unwritten
 element shows. Plus cut grids (exact and truncated cuts), the value split (bitwise),
@@ -79,7 +79,7 @@ def _reference(inp, l2):
 
 def _check_against_reference(out, inp, l2, lengths, label):
     """Every returned tape against the PyTorch path; unwritten (NaN) elements fail."""
-    h, v_new, a, a_unit, gcum, qk_lrn, chunk_offsets = out
+    h, v_new, a, chunk_beta, gcum, qk_lrn, chunk_offsets = out
     prep, rstd, tapes = _reference(inp, l2)
     T, HV = inp["v"].shape[:2]
     H = inp["q"].shape[1]
@@ -88,14 +88,15 @@ def _check_against_reference(out, inp, l2, lengths, label):
     used = _used(lengths)
     assert h.shape == (NC, HV, 128, 128) and h.dtype == torch.bfloat16
     assert v_new.shape == (NC, HV, C, 128) and v_new.dtype == torch.bfloat16
-    assert a.shape == a_unit.shape == (NC, HV, C, C) and a.dtype == a_unit.dtype == torch.bfloat16
+    assert a.shape == (NC, HV, C, C) and a.dtype == torch.bfloat16
+    assert chunk_beta.shape == (NC, HV, C) and chunk_beta.dtype == torch.float32
     assert gcum.shape == (NC, HV, C) and gcum.dtype == torch.float32
     assert qk_lrn.shape == ((NC, H, 2, C) if l2 else (0,)) and qk_lrn.dtype == torch.float32
     assert chunk_offsets.shape == (N + 1,) and chunk_offsets.dtype == torch.int32
 
     chunks = torch.tensor([0] + [-(-n // C) for n in lengths]).cumsum(0).to(torch.int32)
     assert torch.equal(chunk_offsets.cpu(), chunks), f"{label}: chunk_offsets"
-    for name, x in (("h", h), ("v_new", v_new), ("a", a), ("a_unit", a_unit), ("gcum", gcum)):
+    for name, x in (("h", h), ("v_new", v_new), ("a", a), ("chunk_beta", chunk_beta), ("gcum", gcum)):
         assert torch.isfinite(x[:used].float()).all(), f"{label}: {name} has unwritten (NaN) elements"
 
     real = prep.layout.token[:used] < T  # [used, C]: the slot's token rows inside its document
@@ -103,8 +104,7 @@ def _check_against_reference(out, inp, l2, lengths, label):
     checks = (
         ("h", h[:used].float(), tapes.h[:used].transpose(-1, -2)),
         ("v_new", v_new[:used].transpose(1, 2)[real].float(), tapes.v_new[:used].transpose(1, 2)[real]),
-        ("a_unit", a_unit[:used].float(), prep.A[:used]),
-        ("a", a[:used].float(), (prep.A * prep.beta[..., None, :])[:used]),
+        ("a", a[:used].float(), prep.A[:used]),
     )
     for name, x, ref in checks:
         acc = accuracy(x, ref)
@@ -115,6 +115,7 @@ def _check_against_reference(out, inp, l2, lengths, label):
     assert not v_new[:used].transpose(1, 2)[~real].any(), f"{label}: v_new pad rows are not zero"
     acc_g = accuracy(gcum[:used], prep.gcum[:used])
     assert acc_g.finite and acc_g.rel_rms < 1e-5, f"{label}: gcum: {acc_g}"
+    assert torch.equal(chunk_beta[:used], prep.beta[:used]), f"{label}: chunk_beta"
     if l2:
         _, rq, _, rk = rstd  # 1 / |x| per row, [T, H, 1]
         for i, r in enumerate((rq, rk)):
@@ -135,13 +136,15 @@ def test_tapes_match_pytorch(ops, case):
 
 @pytest.mark.parametrize("case", CASES[:4], ids=[c.id for c in CASES[:4]])
 def test_a_is_the_forward_preps(ops, case):
-    """The backward's prep (which also writes a_unit) gives the forward prep's A diag(beta)
-    and gcum bit for bit: the tapes are those of the forward's own walk."""
+    """The backward's prep gives the forward prep's A, gcum and beta rows bit for bit: the
+    tapes are those of the forward's own walk."""
     inp = case.inputs("cuda", seed=2)
-    _, _, a, _, gcum, _, _ = _call(ops, inp, case.l2norm)
-    a_fwd, gcum_fwd, _ = ops.gdn_fwd_prep(inp["q"], inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"], case.l2norm)
+    _, _, a, beta, gcum, _, _ = _call(ops, inp, case.l2norm)
+    a_fwd, gcum_fwd, beta_fwd, _ = ops.gdn_fwd_prep(inp["q"], inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"],
+                                                    case.l2norm)
     used = _used(case.lengths)
     assert torch.equal(a[:used], a_fwd[:used]) and torch.equal(gcum[:used], gcum_fwd[:used])
+    assert torch.equal(beta[:used], beta_fwd[:used])
 
 
 @pytest.mark.parametrize("segment_chunks", [1, 2, 3])
@@ -167,7 +170,7 @@ def test_value_split_is_bitwise_the_unsplit_walk(ops, case):
         for value_splits in (1, 2):
             with poisoned_allocations():
                 results.append(_call(ops, inp, case.l2norm, segment_chunks=segment_chunks, value_splits=value_splits))
-        for name, x1, x2 in zip(("h", "v_new", "a", "a_unit", "gcum"), results[0], results[1]):
+        for name, x1, x2 in zip(("h", "v_new", "a", "chunk_beta", "gcum"), results[0], results[1]):
             assert torch.equal(x1[:used], x2[:used]), f"{name}, cut every {segment_chunks} chunks"
 
 
@@ -178,7 +181,7 @@ def test_bitwise_deterministic(ops):
     for segment_chunks in (-1, 2):
         out1 = _call(ops, inp, True, segment_chunks=segment_chunks)
         out2 = _call(ops, inp, True, segment_chunks=segment_chunks)
-        for name, x1, x2 in zip(("h", "v_new", "a", "a_unit", "gcum", "qk_lrn"), out1, out2):
+        for name, x1, x2 in zip(("h", "v_new", "a", "chunk_beta", "gcum", "qk_lrn"), out1, out2):
             assert torch.equal(x1[:used], x2[:used]), f"{name}, segment_chunks {segment_chunks}"
 
 
@@ -204,7 +207,7 @@ def test_no_tokens(ops):
     case = GdnCase("none", (0, 0), G=2, initial_state=True)
     inp = case.inputs("cuda", seed=4)
     with poisoned_allocations():
-        h, v_new, a, a_unit, gcum, qk_lrn, chunk_offsets = _call(ops, inp, False)
+        h, v_new, a, chunk_beta, gcum, qk_lrn, chunk_offsets = _call(ops, inp, False)
     assert h.shape == (2, 2, 128, 128) and qk_lrn.shape == (0,)
     assert torch.equal(chunk_offsets.cpu(), torch.zeros(3, dtype=torch.int32))
 

@@ -1,7 +1,7 @@
 """The CUDA reverse walk of the GDN backward (``torch.ops.cake_cuda.gdn_bwd_walk``, uncut:
 csrc/gdn/bwd_chain.cu launching the forward walk's CTA in its reverse mode,
 csrc/gdn/fwd_walk_reverse.cuh) on the GPU, against the PyTorch chunked backward's walk
-(``cake_ops.pytorch.gdn.walk_tapes``, fp32) from the same prep (A diag(beta), gcum and
+(``cake_ops.pytorch.gdn.walk_tapes``, fp32) from the same prep (A, gcum, beta per row and
 the log2 inverse row norms of ``pytorch_gdn.prepare``): the dS tape (transposed) on the
 used chunk slots, dv_new ([T, HV, 128], dv's layout: every token's row), dh0; under
 NaN-poisoned allocation, so an unwritten element shows. Plus bitwise repeatability, a
@@ -73,15 +73,16 @@ def walk_inputs(case: GdnCase, dht: bool, device="cuda", seed=0, scale=128**-0.5
     chunk_offsets = torch.cat([nch.new_zeros(1), nch.cumsum(0)]).to(torch.int32)
     tapes = pytorch_gdn.walk_tapes(prep, do, dht_t, None, scale)
     return dict(
-        q=q, k=k, do=do, a=(prep.A * prep.beta[..., None, :]).to(torch.bfloat16).contiguous(),
-        gcum=prep.gcum.contiguous(), qk_lrn=qk_lrn, dht=dht_t, chunk_offsets=chunk_offsets, cu_seqlens=cu,
+        q=q, k=k, do=do, a=prep.A.to(torch.bfloat16).contiguous(),
+        gcum=prep.gcum.contiguous(), chunk_beta=prep.beta.contiguous(), qk_lrn=qk_lrn, dht=dht_t, chunk_offsets=chunk_offsets, cu_seqlens=cu,
         HV=HV, scale=scale, layout=lay, tapes=tapes, used=int(nch.sum()),
     )
 
 
 def call(ops, w: dict, value_splits=-1):
     return ops.gdn_bwd_walk(
-        w["q"], w["k"], w["do"], w["a"], w["gcum"], w["qk_lrn"], w["dht"], w["chunk_offsets"], w["cu_seqlens"],
+        w["q"], w["k"], w["do"], w["a"], w["gcum"], w["chunk_beta"], w["qk_lrn"], w["dht"], w["chunk_offsets"],
+        w["cu_seqlens"],
         w["HV"], w["scale"], value_splits,
     )
 
@@ -165,8 +166,8 @@ def test_bwd_walk_empty_documents_only(ops):
     offs = torch.zeros(4, dtype=torch.int32, device="cuda")
     dht = torch.randn(3, 2, 128, 128, device="cuda")
     with poisoned_allocations():
-        _, _, dh0 = ops.gdn_bwd_walk(q, q, do, a, gcum, None, dht, offs, cu, 2, 0.1)
-        _, _, dh0_zero = ops.gdn_bwd_walk(q, q, do, a, gcum, None, None, offs, cu, 2, 0.1)
+        _, _, dh0 = ops.gdn_bwd_walk(q, q, do, a, gcum, gcum, None, dht, offs, cu, 2, 0.1)
+        _, _, dh0_zero = ops.gdn_bwd_walk(q, q, do, a, gcum, gcum, None, None, offs, cu, 2, 0.1)
     assert torch.equal(dh0, dht)
     assert torch.equal(dh0_zero, torch.zeros_like(dh0_zero))
 
@@ -204,7 +205,8 @@ def test_bwd_walk_alone_equals_packed(ops, l2norm):
         alone = dict(w)
         alone.update(
             q=w["q"][t0:t1].contiguous(), k=w["k"][t0:t1].contiguous(), do=w["do"][t0:t1].contiguous(),
-            a=slots(w["a"]), gcum=slots(w["gcum"]), qk_lrn=slots(w["qk_lrn"]) if l2norm else None,
+            a=slots(w["a"]), gcum=slots(w["gcum"]), chunk_beta=slots(w["chunk_beta"]),
+            qk_lrn=slots(w["qk_lrn"]) if l2norm else None,
             dht=w["dht"][n : n + 1].contiguous(),
             chunk_offsets=torch.tensor([0, nch], dtype=torch.int32, device="cuda"),
             cu_seqlens=torch.tensor([0, t1 - t0], dtype=w["cu_seqlens"].dtype, device="cuda"),
@@ -228,6 +230,7 @@ def test_bwd_walk_rejects_bad_arguments(ops):
     bad(a=w["a"].float(), match="a must be bfloat16")
     bad(a=w["a"][:1], match="a: NC")
     bad(gcum=w["gcum"][..., :32], match="gcum must be")
+    bad(chunk_beta=w["chunk_beta"][..., :32], match="chunk_beta must be")
     bad(do=w["do"][:, :1], match="do must be")
     bad(dht=w["dht"][:1], match="dht must be")
     bad(qk_lrn=torch.zeros(w["a"].shape[0], 1, 2, 32, device="cuda"), match="qk_lrn must be")
