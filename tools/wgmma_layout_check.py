@@ -41,14 +41,19 @@ __device__ void to_tile(unsigned char* tile, const __nv_bfloat16* m, int rows, i
 // mode 0: D[64x64] = A[64x128] B[64x128]^T, A from registers (RS), B K-major.
 // mode 1: D[64x64] = A[64x128] B[64x128]^T with A from shared memory (SS).
 // mode 2: D[64x128] = A[64x64] B[64x128], A from registers, B MN-major (rows = K).
+// mode 3: D[64x128] = A[64x128] B[128x128], both from shared memory (SS m64n128), A K-major,
+//         B MN-major over a 128-row tile (as do S^T reads the S^T tape tile).
+// mode 4: D[64x128] = A^T B with A stored [64 (K)][64 (M)] and B [64 (K)][128], both read
+//         MN-major (SS m64n128, as A^T dw).
 __global__ void probe(const __nv_bfloat16* a, const __nv_bfloat16* b, float* d, int mode) {
   extern __shared__ unsigned char raw[];
   unsigned char* sm = raw + ((1024 - (mma::smem_addr(raw) & 1023)) & 1023);
   unsigned char* ta = sm;
   unsigned char* tb = sm + 16384;
-  const int ka = mode == 2 ? 64 : 128;
+  const int ka = mode == 2 || mode == 4 ? 64 : 128;
+  const int kb = mode == 3 ? 128 : 64;  // B's rows
   to_tile(ta, a, 64, ka);
-  to_tile(tb, b, 64, 128);
+  to_tile(tb, b, kb, 128);
   wgmma::fence_proxy_async();
   __syncthreads();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, gid = lane >> 2, t4 = lane & 3;
@@ -85,8 +90,18 @@ __global__ void probe(const __nv_bfloat16* a, const __nv_bfloat16* b, float* d, 
     float acc[64];
     for (int i = 0; i < 64; ++i) acc[i] = 0.f;
     wgmma::fence();
+    if (mode == 2) {
 #pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma::mma_rs_m64n128k16<1>(acc, af[s], wgmma::desc_mn_major(sb, 64, s), s > 0);
+      for (int s = 0; s < 4; ++s) wgmma::mma_rs_m64n128k16<1>(acc, af[s], wgmma::desc_mn_major(sb, 64, s), s > 0);
+    } else if (mode == 3) {
+#pragma unroll
+      for (int s = 0; s < 8; ++s)
+        wgmma::mma_ss_m64n128k16<0, 1>(acc, wgmma::desc_k_major(sa, 64, s), wgmma::desc_mn_major(sb, 128, s), s > 0);
+    } else {
+#pragma unroll
+      for (int s = 0; s < 4; ++s)
+        wgmma::mma_ss_m64n128k16<1, 1>(acc, wgmma::desc_mn_major(sa, 64, s), wgmma::desc_mn_major(sb, 64, s), s > 0);
+    }
     wgmma::commit();
     wgmma::wait<0>();
     wgmma::fence_operands(acc);
@@ -98,9 +113,9 @@ __global__ void probe(const __nv_bfloat16* a, const __nv_bfloat16* b, float* d, 
 }
 
 torch::Tensor run(torch::Tensor a, torch::Tensor b, int64_t mode) {
-  auto d = torch::full({64, mode == 2 ? 128 : 64}, NAN, a.options().dtype(torch::kFloat));
-  cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 40 * 1024);
-  probe<<<1, 128, 40 * 1024>>>(reinterpret_cast<const __nv_bfloat16*>(a.data_ptr()),
+  auto d = torch::full({64, mode >= 2 ? 128 : 64}, NAN, a.options().dtype(torch::kFloat));
+  cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 56 * 1024);
+  probe<<<1, 128, 56 * 1024>>>(reinterpret_cast<const __nv_bfloat16*>(a.data_ptr()),
                                reinterpret_cast<const __nv_bfloat16*>(b.data_ptr()), d.data_ptr<float>(), mode);
   return d;
 }
@@ -119,12 +134,24 @@ def main() -> int:
     )
     torch.manual_seed(0)
     failed = 0
-    for mode, name in [(0, "RS  K-major B  m64n64k128"), (1, "SS  K-major A,B m64n64k128"), (2, "RS  MN-major B m64n128k64")]:
-        a = torch.randn(64, 64 if mode == 2 else 128, device="cuda").bfloat16()
-        b = torch.randn(64, 128, device="cuda").bfloat16()
+    forms = [
+        (0, "RS  K-major B  m64n64k128"),
+        (1, "SS  K-major A,B m64n64k128"),
+        (2, "RS  MN-major B m64n128k64"),
+        (3, "SS  K-major A, MN-major B (128 rows) m64n128k128"),
+        (4, "SS  MN-major A,B m64n128k64"),
+    ]
+    for mode, name in forms:
+        a = torch.randn(64, 64 if mode in (2, 4) else 128, device="cuda").bfloat16()
+        b = torch.randn(128 if mode == 3 else 64, 128, device="cuda").bfloat16()
         d = mod.run(a, b, mode)
         torch.cuda.synchronize()
-        ref = a.float() @ (b.float() if mode == 2 else b.float().T)
+        if mode in (2, 3):
+            ref = a.float() @ b.float()
+        elif mode == 4:
+            ref = a.float().T @ b.float()
+        else:
+            ref = a.float() @ b.float().T
         err = ((d - ref).abs().max() / ref.abs().max()).item()
         ok = err < 1e-5
         failed += not ok
