@@ -261,7 +261,7 @@ def main() -> int:
     ex.add_argument("revs", nargs="+")
     rn = sub.add_parser("run", help="build, time (and test) each exported tree in turn (needs a Hopper GPU)")
     rn.add_argument("--shapes", default="s64k_h16,s256k_h2,s32k_h16,s16k_long")
-    rn.add_argument("--tests", action="store_true", help="also run each tree's own GPU GDN-forward tests (" + " or ".join(GDN_TESTS) + ")")
+    rn.add_argument("--tests", action="store_true", help="also run each tree's own GPU tests: with --op fwd its GDN-forward tests (" + " or ".join(GDN_TESTS) + "), with --op fwdbwd every " + GDN_BWD_TESTS)
     rn.add_argument("--trees", help="comma list of exported tree names (default: all, in export order)")
     rn.add_argument("--rounds", type=int, default=1, help="time the trees this many times, in palindromic order")
     rn.add_argument("--op", choices=("fwd", "fwdbwd"), default="fwd",

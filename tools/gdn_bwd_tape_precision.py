@@ -9,8 +9,12 @@ end) and dv_new. This takes the PyTorch path's fp32 tapes (cake_ops.pytorch.gdn
 walk_tapes), rounds some or all of them to bf16, forms the chunk-local gradients in fp32
 (local_gradients) and prints each gradient's rel-RMS against FP64 autograd of the
 token-by-token reference: what the tapes' rounding alone costs, tape by tape, apart from
-the kernels' other bf16 operands; and the kernel's own form (bf16 tapes, fp32 first state
-and last state gradient in dg's term e^gl <dS_end, h>).
+the kernels' other bf16 operands; the kernel's own form (bf16 tapes, fp32 first state
+and last state gradient in dg's term e^gl <dS_end, h>); and that form with v_new not kept
+but formed again by the chunk-local kernel from the bf16 h tape, as FlashQLA's backward
+does (no v_new tape: 16 KB a chunk and value head less memory and traffic):
+v_new = A diag(beta) (v - diag(e^gcum) k S) with S, k, v, A and the product's operand in
+bf16 as the kernel's tiles would hold them.
 """
 
 from __future__ import annotations
@@ -40,7 +44,35 @@ VARIANTS = {"fp32": (), "bf16 all": TAPES, "bf16 h": ("h",), "bf16 dS": ("dS_end
 # The kernel's form: every tape bf16, but dg's term e^gl <dS_end, h> reads a document's
 # first state (the initial state) and last state gradient (dht) in fp32.
 KERNEL = "bf16, exact first S / last dS"
+RECOMPUTED = "the same, v_new from the bf16 h"
 NAMES = ("dq", "dk", "dv", "dg", "dbeta")
+
+
+def _bf16(x: torch.Tensor) -> torch.Tensor:
+    return x.bfloat16().float()
+
+
+def v_new_from_h(prep, h: torch.Tensor) -> torch.Tensor:
+    """v_new formed again from the (bf16) state tape h, with bf16 operands: k S in fp32,
+    beta (v - e^gcum k S) rounded to bf16 as the operand of the product with A (bf16), the
+    result rounded as a tile."""
+    ks = _bf16(prep.k) @ h  # [NC, HV, C, V]
+    e = _bf16(prep.beta[..., None] * (_bf16(prep.v) - prep.gcum.exp()[..., None] * ks))
+    return _bf16(_bf16(prep.A) @ e)
+
+
+def kernel_form(prep, rstd, tapes, t, do, scale, G) -> list[torch.Tensor]:
+    """The gradients from the rounded tapes t, with dg's term e^gl <dS_end, h> reading a
+    document's first state and last state gradient in fp32 (from the fp32 tapes): the term
+    enters d gcum at a chunk's last token, so the reverse cumsum adds its change to every
+    token of the chunk."""
+    grads = list(pytorch_gdn.local_gradients(prep, rstd, t, do, scale, G))
+    lay = prep.layout
+    h = torch.where(lay.first[:, None, None, None], tapes.h, t.h)
+    dS = torch.where(lay.last[:, None, None, None], tapes.dS_end, t.dS_end)
+    change = ((dS * h).sum((-1, -2)) - (t.dS_end * t.h).sum((-1, -2))) * prep.gcum[..., -1].exp()
+    grads[3] = grads[3] + from_chunks(change[..., None, None].expand(-1, -1, prep.gcum.shape[-1], 1), lay)[..., 0]
+    return grads
 
 
 def errors(case: str, seed: int = 0) -> dict[str, dict[str, float]]:
@@ -65,16 +97,11 @@ def errors(case: str, seed: int = 0) -> dict[str, dict[str, float]]:
         t = tapes._replace(**{n: getattr(tapes, n).bfloat16().float() for n in rounded})
         grads = pytorch_gdn.local_gradients(prep, rstd, t, do, scale, G)
         out[variant] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
-    # The kernel's form, from "bf16 all": the term enters d gcum at a chunk's last token, so
-    # the reverse cumsum adds its change to every token of the chunk.
-    t = tapes._replace(**{n: getattr(tapes, n).bfloat16().float() for n in TAPES})
-    grads = list(pytorch_gdn.local_gradients(prep, rstd, t, do, scale, G))
-    lay = prep.layout
-    h = torch.where(lay.first[:, None, None, None], tapes.h, t.h)
-    dS = torch.where(lay.last[:, None, None, None], tapes.dS_end, t.dS_end)
-    change = ((dS * h).sum((-1, -2)) - (t.dS_end * t.h).sum((-1, -2))) * prep.gcum[..., -1].exp()
-    grads[3] = grads[3] + from_chunks(change[..., None, None].expand(-1, -1, prep.gcum.shape[-1], 1), lay)[..., 0]
+    t = tapes._replace(**{n: _bf16(getattr(tapes, n)) for n in TAPES})
+    grads = kernel_form(prep, rstd, tapes, t, do, scale, G)
     out[KERNEL] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
+    grads = kernel_form(prep, rstd, tapes, t._replace(v_new=v_new_from_h(prep, t.h)), do, scale, G)
+    out[RECOMPUTED] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
     return out
 
 
