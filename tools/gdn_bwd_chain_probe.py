@@ -42,10 +42,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # The kernels, with no torch header, so that `nvcc -cubin` checks them on a machine without a GPU.
 KERNEL_SRC = r"""
@@ -488,21 +484,13 @@ torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas) {
 
 def main() -> int:
     import torch
-    from torch.utils.cpp_extension import load_inline
+    from cuda_inline import load
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=1024)
     args = ap.parse_args()
-    mod = load_inline(
-        "cake_gdn_bwd_chain_probe",
-        cpp_sources="torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas);",
-        cuda_sources=KERNEL_SRC + BINDING_SRC,
-        functions=["run"],
-        extra_include_paths=[str(ROOT / "csrc")],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a", "-Xptxas", "-v"],
-        build_directory=tempfile.mkdtemp(prefix="chain_probe_"),
-        verbose=False,
-    )
+    mod = load("cake_gdn_bwd_chain_probe", "torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas);",
+               KERNEL_SRC + BINDING_SRC, ptxas_verbose=True)
     ctas = torch.cuda.get_device_properties(0).multi_processor_count
     for layout, name in ((0, "halves"), (1, "split"), (2, "fused"), (3, "local")):
         mod.run(layout, 16, ctas)  # warm-up

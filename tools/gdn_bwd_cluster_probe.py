@@ -24,10 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
 
 # The kernel, with no torch header, so that `nvcc -cubin` checks it on a machine without a GPU.
 KERNEL_SRC = r"""
@@ -164,21 +160,15 @@ std::vector<torch::Tensor> run(int64_t G, int64_t iters, int64_t smem_bytes) {
 
 def main() -> int:
     import torch
-    from torch.utils.cpp_extension import load_inline
+    from cuda_inline import load
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--iters", type=int, default=512)
     ap.add_argument("--smem-kb", type=int, default=200)
     args = ap.parse_args()
-    mod = load_inline(
-        "cake_gdn_bwd_cluster_probe",
-        cpp_sources="std::vector<torch::Tensor> run(int64_t G, int64_t iters, int64_t smem_bytes);",
-        cuda_sources=KERNEL_SRC + BINDING_SRC,
-        functions=["run"],
-        extra_include_paths=[str(ROOT / "csrc")],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
-        build_directory=tempfile.mkdtemp(prefix="cluster_probe_"),
-    )
+    mod = load("cake_gdn_bwd_cluster_probe",
+               "std::vector<torch::Tensor> run(int64_t G, int64_t iters, int64_t smem_bytes);",
+               KERNEL_SRC + BINDING_SRC)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for G in (1, 2, 3):
         mod.run(G, 8, args.smem_kb * 1024)  # warm-up

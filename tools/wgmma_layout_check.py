@@ -12,13 +12,8 @@ exactly one line, which is faster to read than a failing end-to-end kernel test.
 from __future__ import annotations
 
 import sys
-import tempfile
-from pathlib import Path
 
 import torch
-from torch.utils.cpp_extension import load_inline
-
-ROOT = Path(__file__).resolve().parents[1]
 
 CUDA_SRC = r"""
 #include <cuda_bf16.h>
@@ -123,15 +118,9 @@ torch::Tensor run(torch::Tensor a, torch::Tensor b, int64_t mode) {
 
 
 def main() -> int:
-    mod = load_inline(
-        "cake_wgmma_layout_check",
-        cpp_sources="torch::Tensor run(torch::Tensor a, torch::Tensor b, int64_t mode);",
-        cuda_sources=CUDA_SRC,
-        functions=["run"],
-        extra_include_paths=[str(ROOT / "csrc")],
-        extra_cuda_cflags=["-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a"],
-        build_directory=tempfile.mkdtemp(prefix="wgmma_check_"),
-    )
+    from cuda_inline import load
+
+    mod = load("cake_wgmma_layout_check", "torch::Tensor run(torch::Tensor a, torch::Tensor b, int64_t mode);", CUDA_SRC)
     torch.manual_seed(0)
     failed = 0
     forms = [
