@@ -139,7 +139,7 @@ static_assert(kK % 1024 == 0 && kDo % 1024 == 0 && kVn % 1024 == 0 && kV % 1024 
 static_assert(kDA % 16 == 0 && kVec % 16 == 0 && kBar % 8 == 0, "aligned regions");
 
 // Bytes the TMA loads bring: a value head's tiles but A; A; q and k (or their raw rows).
-constexpr uint32_t kHeadBytes = 4 * kRowTile + 2 * D * D * 2;
+constexpr uint32_t kHeadBytes = 3 * kRowTile + 2 * D * D * 2;
 constexpr uint32_t kABytes = kATile;
 constexpr uint32_t kQKBytes = 2 * kRowTile;
 
@@ -241,10 +241,10 @@ __device__ __forceinline__ float round_tf32(float x) {
 // acc (+)= L R, this warpgroup's share: rows 0 .. 63 (warp rb's 16 in its fragments, as an
 // mma.sync m16n8 tile per 8 columns), NT * 8 columns; L and R in shared memory through the
 // step-0 descriptors da, db of SW128 tiles (k16 step s adds a constant: 64-row K-major
-// tiles, or kTransA / kTransB = 1 for an operand stored MN-major), kSteps steps;
+// tiles, R's of kRowsB rows, or kTransA / kTransB = 1 for an operand stored MN-major), kSteps steps;
 // overwrite: acc's old values are dropped. It only issues (wgmma::commit closes a group,
 // wg_wait waits for it), so the next product runs under this one's elementwise work.
-template <int kSteps, int kTransA, int kTransB, int NT>
+template <int kSteps, int kTransA, int kTransB, int NT, int kRowsB = C>
 __device__ __forceinline__ void wg_issue(float (&acc)[NT][4], uint64_t da, uint64_t db, bool overwrite) {
   static_assert(NT == 4 || NT == 8, "m64n32 or m64n64");
   float(&d)[NT * 4] = reinterpret_cast<float(&)[NT * 4]>(acc);
@@ -253,7 +253,7 @@ __device__ __forceinline__ void wg_issue(float (&acc)[NT][4], uint64_t da, uint6
   for (int s = 0; s < kSteps; ++s) {
     const int accumulate = overwrite && s == 0 ? 0 : 1;
     const uint64_t a = wgmma::desc_add(da, kTransA ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
-    const uint64_t b = wgmma::desc_add(db, kTransB ? wgmma::mn_major_step(s) : wgmma::k_major_step(C, s));
+    const uint64_t b = wgmma::desc_add(db, kTransB ? wgmma::mn_major_step(s) : wgmma::k_major_step(kRowsB, s));
     if constexpr (NT == 8) wgmma::mma_ss_m64n64k16<kTransA, kTransB>(d, a, b, accumulate);
     else wgmma::mma_ss_m64n32k16<kTransA, kTransB>(d, a, b, accumulate);
   }
@@ -370,7 +370,6 @@ __device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, i
 // value head hv's rows from token t0, and its tapes' tile `tape`.
 __device__ __forceinline__ void load_head(const BwdLocalMaps& m, uint32_t s, uint32_t bar, int tape, int hv, int t0) {
   tma_tile(s + kDo, &m.dout, hv, t0, bar);
-  tma_tile(s + kVn, &m.v_new, 0, tape, bar);
   tma_tile<D>(s + kHT, &m.h, 0, tape, bar);
   tma_tile<D>(s + kDS, &m.ds, 0, tape, bar);
   tma_tile(s + kV, &m.v, hv, t0, bar);
@@ -486,7 +485,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         zero_rows(smem + kK, len);
       }
       zero_rows(smem + kDo, len);
-      zero_rows(smem + kVn, len);
       zero_rows(smem + kV, len);
       zero_rows(smem + kDvn, len);
     }
@@ -528,6 +526,42 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       wgmma::fence_proxy_async();
       __syncthreads();
+    }
+
+    {  // v_new = A diag(beta) (v - diag(e^gcum) k S), this warpgroup's 64 columns, formed from
+       // the S^T tape instead of kept as a tape of its own (docs/kernels.md, Backward, Next,
+       // Memory): k S in fp32, its operand E = beta (v - e^gcum k S) and v_new in bf16. Rows
+       // past a ragged chunk's end come out 0 (k, v zeroed, A's pad rows the identity's).
+      float ks[8][4];
+      wg_issue<8, 0, 0, 8, D>(ks, desc_k(kK), desc_k(kHT, n0), true);  // B = S: the S^T tile's rows n0.., K-major
+      wgmma::commit();
+      wg_wait<0>(ks);
+      uint32_t f[8][2];
+      ld_frag(f, smem + kV, m0, n0);
+#pragma unroll
+      for (int v = 0; v < 2; ++v) {
+        const int i = m0 + gid + 8 * v;
+        const float b = bet[i], e = eg[i];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          const float2 x = mma::unpack_bf16(f[nt][v]);
+          f[nt][v] = mma::pack_bf16(b * fmaf(-e, ks[nt][2 * v], x.x), b * fmaf(-e, ks[nt][2 * v + 1], x.y));
+        }
+      }
+      st_frag(smem + kVn, m0, n0, f);
+      wgmma::fence_proxy_async();
+      mma::bar_sync(1 + ch, 128);  // this warpgroup's columns of E staged
+      wg_issue<4, 0, 1>(ks, at_parity(desc_k(kADw), j, 2 * kATile), desc_mn(kVn, C, ch), true);
+      wgmma::commit();
+      wg_wait<0>(ks);
+      mma::bar_sync(1 + ch, 128);  // E read
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+        for (int v = 0; v < 2; ++v) f[nt][v] = mma::pack_bf16(ks[nt][2 * v], ks[nt][2 * v + 1]);
+      st_frag(smem + kVn, m0, n0, f);
+      wgmma::fence_proxy_async();
+      __syncthreads();  // v_new complete (phase 1a reads all its columns)
     }
 
     // ---- Phase 1a: the products over V (and K) of the staged tiles, each issued under the
