@@ -69,14 +69,14 @@ def gdn_fwd(
 def gdn_saved_bytes(T: int, N: int, H: int, HV: int, use_qk_l2norm: bool) -> int:
     """Bytes of the full save mode's tapes on the CUDA path (csrc/gdn/plan.cu
     ``gdn_chunk_layout`` with the tapes): per chunk slot (ceil(T / 64) + N of them) and
-    value head A (bf16 64 x 64), gcum and beta (fp32 64 each), the chunk decay (fp32),
-    the start state S^T (bf16 128 x 128) and v_new (bf16 64 x 128); per chunk slot and q/k
-    head the rows' log inverse norms with ``use_qk_l2norm`` (fp32 2 x 64); each piece
-    rounded up to 256 bytes."""
+    value head A (bf16 64 x 64), gcum and beta (fp32 64 each), the chunk decay (fp32) and
+    the start state S^T (bf16 128 x 128; the backward forms v_new again from it); per
+    chunk slot and q/k head the rows' log inverse norms with ``use_qk_l2norm`` (fp32
+    2 x 64); each piece rounded up to 256 bytes."""
     tiles = (-(-T // pytorch_gdn.CHUNK) + N) * HV
     pieces = (tiles * 64 * 64 * 2, tiles * 64 * 4, tiles * 64 * 4, tiles * 4,
               (-(-T // pytorch_gdn.CHUNK) + N) * H * 2 * 64 * 4 if use_qk_l2norm else 0,
-              tiles * 128 * 128 * 2, tiles * 64 * 128 * 2)
+              tiles * 128 * 128 * 2)
     return sum(-(-n // 256) * 256 for n in pieces)
 
 

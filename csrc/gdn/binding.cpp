@@ -225,11 +225,10 @@ at::Tensor workspace_piece(const at::Tensor& workspace, int64_t offset, at::Scal
 // mode, for the same arguments as gdn_fwd (the same checks, the same plan). Returns views
 // of the one backward workspace (which also holds the reverse walk's dS and dv_new
 // tapes, not returned here): h [NC, HV, 128 (v), 128 (k)] bf16 (S^T at each chunk's
-// start), v_new [NC, HV, 64, 128] bf16 (rows past a document's end 0), a = A
-// [NC, HV, 64, 64] bf16, chunk_beta [NC, HV, 64] fp32, gcum [NC, HV, 64] fp32, qk_lrn [NC, H, 2, 64]
-// fp32 (empty [0] without use_qk_l2norm), chunk_offsets [N + 1] int32; NC = ceil(T / 64)
-// + N. Slots from chunk_offsets[N] on are left unwritten.
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_tapes(
+// start), a = A [NC, HV, 64, 64] bf16, chunk_beta [NC, HV, 64] fp32, gcum [NC, HV, 64]
+// fp32, qk_lrn [NC, H, 2, 64] fp32 (empty [0] without use_qk_l2norm), chunk_offsets
+// [N + 1] int32; NC = ceil(T / 64) + N. Slots from chunk_offsets[N] on are left unwritten.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_tapes(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
     const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
     bool deterministic, int64_t segment_chunks, int64_t value_splits) {
@@ -248,7 +247,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor qk_lrn = use_qk_l2norm ? workspace_piece(c.workspace, w.chunks + w.chunk.qk_lrn, at::kFloat, {NC, s.H, 2, C})
                                     : at::empty({0}, q.options().dtype(at::kFloat));
   return {workspace_piece(c.workspace, w.chunks + w.chunk.h_tape, at::kBFloat16, {NC, HV, D, D}),
-          workspace_piece(c.workspace, w.chunks + w.chunk.v_new_tape, at::kBFloat16, {NC, HV, C, D}),
           workspace_piece(c.workspace, w.chunks + w.chunk.a, at::kBFloat16, {NC, HV, C, C}),
           workspace_piece(c.workspace, w.chunks + w.chunk.chunk_beta, at::kFloat, {NC, HV, C}),
           workspace_piece(c.workspace, w.chunks + w.chunk.gcum, at::kFloat, {NC, HV, C}),
@@ -407,7 +405,7 @@ void check_tensor(const at::Tensor& t, const at::Tensor& like, const char* name,
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_local(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& g,
     const at::Tensor& beta, const at::Tensor& gcum, const at::Tensor& A, const at::Tensor& h,
-    const at::Tensor& v_new, const at::Tensor& dS, const at::Tensor& dv_new,
+    const at::Tensor& dS, const at::Tensor& dv_new,
     const std::optional<at::Tensor>& initial_state, const std::optional<at::Tensor>& dht,
     const at::Tensor& chunk_offsets, const at::Tensor& cu_seqlens, double scale, bool use_qk_l2norm) {
   constexpr int64_t C = kGdnChunk, D = kGdnHeadDim;
@@ -439,7 +437,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
   check_tensor(gcum, q, "gcum", {NC, HV, C}, at::kFloat, "[NC, HV, 64] with NC = ceil(T / 64) + N");
   check_tensor(A, q, "A", {NC, HV, C, C}, at::kBFloat16, "[NC, HV, 64, 64] with NC = ceil(T / 64) + N");
   check_tensor(h, q, "h", {NC, HV, D, D}, at::kBFloat16, "[NC, HV, 128 (V), 128 (K)] (S^T)");
-  check_tensor(v_new, q, "v_new", {NC, HV, C, D}, at::kBFloat16, "[NC, HV, 64, 128]");
   check_tensor(dS, q, "dS", {NC, HV, D, D}, at::kBFloat16, "[NC, HV, 128 (V), 128 (K)] (dS^T)");
   check_tensor(dv_new, q, "dv_new", {T, HV, D}, at::kBFloat16, "[T, HV, 128] like v");
   if (initial_state) check_tensor(*initial_state, q, "initial_state", {N, HV, D, D}, at::kFloat, "[N, HV, K, V]");
@@ -448,7 +445,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
 
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const at::Tensor q_ = dense16(q), k_ = dense16(k), v_ = dense16(v), do_ = dense16(dout), A_ = dense16(A),
-                   h_ = dense16(h), vn_ = dense16(v_new), ds_ = dense16(dS), dvn_ = dense16(dv_new);
+                   h_ = dense16(h), ds_ = dense16(dS), dvn_ = dense16(dv_new);
   const at::Tensor g_ = g.contiguous(), beta_ = beta.contiguous(), gcum_ = gcum.contiguous(),
                    co_ = chunk_offsets.contiguous(), cu_ = cu_seqlens.contiguous();
   const at::Tensor h0_ = initial_state ? initial_state->contiguous() : at::Tensor();
@@ -470,7 +467,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> gdn_bwd_l
   a.gcum = gcum_.data_ptr<float>();
   a.a = A_.data_ptr();
   a.h = h_.data_ptr();
-  a.v_new = vn_.data_ptr();
   a.ds = ds_.data_ptr();
   a.dv_new = dvn_.data_ptr();
   a.initial_state = h0_.defined() ? h0_.data_ptr<float>() : nullptr;
@@ -680,7 +676,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     l.gcum = f.gcum;
     l.a = f.a;
     l.h = f.h_tape;
-    l.v_new = f.v_new_tape;
     l.ds = r.dS;
     l.dv_new = r.dv_new;
     l.initial_state = f.initial_state;
@@ -717,14 +712,14 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "gdn_bwd_tapes(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
       "int value_splits=-1) "
-      "-> (Tensor h, Tensor v_new, Tensor a, Tensor chunk_beta, Tensor gcum, Tensor qk_lrn, Tensor chunk_offsets)");
+      "-> (Tensor h, Tensor a, Tensor chunk_beta, Tensor gcum, Tensor qk_lrn, Tensor chunk_offsets)");
   m.def(
       "gdn_bwd_walk(Tensor q, Tensor k, Tensor do, Tensor a, Tensor gcum, Tensor chunk_beta, Tensor? qk_lrn, Tensor? dht, "
       "Tensor chunk_offsets, Tensor cu_seqlens, int HV, float scale, int value_splits=-1) "
       "-> (Tensor dS, Tensor dv_new, Tensor dh0)");
   m.def(
       "gdn_bwd_local(Tensor q, Tensor k, Tensor v, Tensor do, Tensor g, Tensor beta, Tensor gcum, Tensor A, "
-      "Tensor h, Tensor v_new, Tensor dS, Tensor dv_new, Tensor? initial_state, Tensor? dht, Tensor chunk_offsets, "
+      "Tensor h, Tensor dS, Tensor dv_new, Tensor? initial_state, Tensor? dht, Tensor chunk_offsets, "
       "Tensor cu_seqlens, float scale, bool use_qk_l2norm) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, Tensor dbeta)");
   m.def(
       "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "

@@ -3,6 +3,7 @@
 // tapes of the two walks. Notation (docs/math.md, Chunked form), C = 64 tokens, K = V = 128,
 // D_ij = e^(gcum_i - gcum_j) (i >= j, else 0), eg = e^gcum, dte = e^(gl - gcum):
 //
+//   v_new = A diag(beta) (v - diag(eg) k S)          (formed again from the S^T tape)
 //   dq_gated = do S^T (the tape holds S^T: do @ h)   dq += scale eg dq_gated
 //   dP = do v_new^T,  P = scale (q k^T o D),  dPs = scale dP o D
 //   dq += dPs k,  dk += dPs^T q,  dk_decayed = v_new dS^T,  dk += dte dk_decayed
@@ -36,6 +37,9 @@
 // - dL = -(A^T dA A^T) is two 64x64x64 TF32 products (m16n8k8) on fp32 dA and A^T dA: dA
 //   feeds dbeta and dg through A twice, and bf16 there would cost ~2^-8 of them; A is
 //   bf16 already, so exact in TF32.
+// - v_new is not a tape: two products a value head (k S, then A times beta (v - eg k S))
+//   form it from the S^T tape, against 16 KB a chunk and value head the walk would write
+//   and this kernel read (docs/kernels.md, "Backward"; its rounding: tools/gdn_bwd_tape_precision.py).
 // - Shared memory (223 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
 //   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dPs / dkk (8 KB, in turn),
 //   dA^T / A^T dA (fp32, 18 KB, in turn) and row vectors. The next value head's tiles but A
@@ -44,7 +48,7 @@
 //   (A and dw trade places from head to head), so it lands under the second half of
 //   phase 2 while that still reads the current A (on the last head: the raw q, k rows for
 //   the norm's backward).
-// - Loads by TMA from one thread (common/tma_sm90.cuh), 13 boxes a value head on one
+// - Loads by TMA from one thread (common/tma_sm90.cuh), 11 boxes a value head on one
 //   mbarrier whose phase flips per head, rows past a ragged chunk's end zeroed after the
 //   wait: issued as per-thread cp.async they cost 7 % of the kernel's issue samples (their
 //   address arithmetic, and stalls on the load queue; ncu, docs/experiments.md).
@@ -77,7 +81,7 @@ constexpr int kRowTile = C * D * 2;  // 64 x 128 bf16
 constexpr int kQ = 0;
 constexpr int kK = kQ + kRowTile;
 constexpr int kDo = kK + kRowTile;    // do; on the last head (use_qk_l2norm) the raw q rows
-constexpr int kVn = kDo + kRowTile;   // v_new; then the raw k rows
+constexpr int kVn = kDo + kRowTile;   // E, then v_new (formed here); then the raw k rows
 constexpr int kV = kVn + kRowTile;
 constexpr int kDvn = kV + kRowTile;
 constexpr int kHT = kDvn + kRowTile;  // S^T 128 x 128
@@ -355,7 +359,7 @@ __device__ __forceinline__ void store_tile(const unsigned char* tile, __nv_bfloa
 // inputs as (column, head, token) with 64 x 64 boxes, the tapes as (column, row, tile) with
 // boxes of one column block of a tile. Rows past T arrive as zeros.
 struct BwdLocalMaps {
-  CUtensorMap q, k, dout, v, dv_new, v_new, h, ds, a;
+  CUtensorMap q, k, dout, v, dv_new, h, ds, a;
 };
 
 // One thread's TMA loads of a kRows x 128 tile at `dst` (two 64-column boxes) at the map's
@@ -366,7 +370,7 @@ __device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, i
   tma::load_box_3d(dst + kRows * 128, map, 64, c1, c2, bar);
 }
 
-// A value head's tiles but A (do, v_new, S^T, dS^T, v, dv_new), by one thread, onto `bar`:
+// A value head's tiles but A (do, S^T, dS^T, v, dv_new), by one thread, onto `bar`:
 // value head hv's rows from token t0, and its tapes' tile `tape`.
 __device__ __forceinline__ void load_head(const BwdLocalMaps& m, uint32_t s, uint32_t bar, int tape, int hv, int t0) {
   tma_tile(s + kDo, &m.dout, hv, t0, bar);
@@ -528,56 +532,54 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncthreads();
     }
 
-    {  // v_new = A diag(beta) (v - diag(e^gcum) k S), this warpgroup's 64 columns, formed from
-       // the S^T tape instead of kept as a tape of its own (docs/kernels.md, Backward, Next,
-       // Memory): k S in fp32, its operand E = beta (v - e^gcum k S) and v_new in bf16. Rows
-       // past a ragged chunk's end come out 0 (k, v zeroed, A's pad rows the identity's).
-      float ks[8][4];
-      wg_issue<8, 0, 0, 8, D>(ks, desc_k(kK), desc_k(kHT, n0), true);  // B = S: the S^T tile's rows n0.., K-major
-      wgmma::commit();
-      wg_wait<0>(ks);
-      uint32_t f[8][2];
-      ld_frag(f, smem + kV, m0, n0);
-#pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int i = m0 + gid + 8 * v;
-        const float b = bet[i], e = eg[i];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          const float2 x = mma::unpack_bf16(f[nt][v]);
-          f[nt][v] = mma::pack_bf16(b * fmaf(-e, ks[nt][2 * v], x.x), b * fmaf(-e, ks[nt][2 * v + 1], x.y));
-        }
-      }
-      st_frag(smem + kVn, m0, n0, f);
-      wgmma::fence_proxy_async();
-      mma::bar_sync(1 + ch, 128);  // this warpgroup's columns of E staged
-      wg_issue<4, 0, 1>(ks, at_parity(desc_k(kADw), j, 2 * kATile), desc_mn(kVn, C, ch), true);
-      wgmma::commit();
-      wg_wait<0>(ks);
-      mma::bar_sync(1 + ch, 128);  // E read
-#pragma unroll
-      for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-        for (int v = 0; v < 2; ++v) f[nt][v] = mma::pack_bf16(ks[nt][2 * v], ks[nt][2 * v + 1]);
-      st_frag(smem + kVn, m0, n0, f);
-      wgmma::fence_proxy_async();
-      __syncthreads();  // v_new complete (phase 1a reads all its columns)
-    }
-
-    // ---- Phase 1a: the products over V (and K) of the staged tiles, each issued under the
-    // previous one's elementwise work (two in flight at most: their accumulators are 32
-    // registers each beside dq and dk).
+    // ---- Phase 1a: v_new, then the products over V (and K) of the staged tiles, each issued
+    // under the previous one's elementwise work (two in flight at most: their accumulators
+    // are 32 registers each beside dq and dk). v_new = A diag(beta) (v - diag(e^gcum) k S)
+    // is formed again from the S^T tape rather than read from a tape of its own (16 KB less
+    // a chunk and value head to keep; docs/kernels.md, "Backward"): k S in fp32, its operand
+    // E = beta (v - e^gcum k S) and v_new in bf16, staged in kVn, each warpgroup its 64
+    // columns; do S^T runs under E's elementwise work, dv_new S^T under v_new's. Rows past a
+    // ragged chunk's end come out 0 (k and v zeroed, A's pad rows the identity's).
     float g1[8][4], g2[8][4];
-    wg_issue<8, 0, 1>(g1, desc_k(kDo), desc_mn(kHT, D, ch), true);  // dq_gated = do S^T
+    wg_issue<8, 0, 0, 8, D>(g1, desc_k(kK), desc_k(kHT, n0), true);  // k S: B = the S^T tile's rows n0.., K-major
     wgmma::commit();
+    wg_issue<8, 0, 1>(g2, desc_k(kDo), desc_mn(kHT, D, ch), true);  // dq_gated = do S^T
+    wgmma::commit();
+    wg_wait<1>(g1);
+    uint32_t vf[8][2];  // E, then v_new: this warp's rows and columns as bf16 pairs
+    ld_frag(vf, smem + kV, m0, n0);
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int i = m0 + gid + 8 * v;
+      const float b = bet[i], e = eg[i];
+#pragma unroll
+      for (int nt = 0; nt < 8; ++nt) {
+        const float2 x = mma::unpack_bf16(vf[nt][v]);
+        vf[nt][v] = mma::pack_bf16(b * fmaf(-e, g1[nt][2 * v], x.x), b * fmaf(-e, g1[nt][2 * v + 1], x.y));
+      }
+    }
+    st_frag(smem + kVn, m0, n0, vf);
+    wgmma::fence_proxy_async();
+    mma::bar_sync(1 + ch, 128);  // this warpgroup's columns of E staged
+    wg_issue<4, 0, 1>(g1, at_parity(desc_k(kADw), j, 2 * kATile), desc_mn(kVn, C, ch), true);  // v_new = A E
+    wgmma::commit();
+    wg_wait<1>(g2);
+    {  // dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
+      float rs[2] = {0.f, 0.f};
+      add_scaled_rows<true>(dq, g2, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
+      store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
+    }
     wg_issue<8, 0, 1>(g2, desc_k(kDvn), desc_mn(kHT, D, ch), true);  // dv_new S^T = -dw
     wgmma::commit();
     wg_wait<1>(g1);
-    {  // dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
-      float rs[2] = {0.f, 0.f};
-      add_scaled_rows<true>(dq, g1, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
-      store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
-    }
+    mma::bar_sync(1 + ch, 128);  // E read
+#pragma unroll
+    for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+      for (int v = 0; v < 2; ++v) vf[nt][v] = mma::pack_bf16(g1[nt][2 * v], g1[nt][2 * v + 1]);
+    st_frag(smem + kVn, m0, n0, vf);
+    wgmma::fence_proxy_async();
+    __syncthreads();  // v_new complete (the products below read all its columns)
     wg_issue<8, 0, 1>(g1, desc_k(kVn), desc_mn(kDS, D, ch), true);  // dk_decayed = v_new dS^T
     wgmma::commit();
     wg_wait<1>(g2);
@@ -993,7 +995,6 @@ cudaError_t bwd_local_maps(const GdnBwdLocalArgs& p, BwdLocalMaps& m) {
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.dout, p.dout, D, HV, T, row, HV_row, 64, 1, C);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v, p.v, D, HV, T, row, HV_row, 64, 1, C);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.dv_new, p.dv_new, D, HV, T, row, HV_row, 64, 1, C);
-  if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.v_new, p.v_new, D, C, tiles, row, C * row, 64, C, 1);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.h, p.h, D, D, tiles, row, D * row, 64, D, 1);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.ds, p.ds, D, D, tiles, row, D * row, 64, D, 1);
   if (err == cudaSuccess) err = tma::encode_bf16_3d(&m.a, p.a, C, C, tiles, C * 2, C * C * 2, 64, C, 1);

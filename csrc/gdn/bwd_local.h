@@ -1,8 +1,8 @@
 #pragma once
 
 // The GDN backward's chunk-local gradients ("B3"): given the tapes of the backward's two
-// walks (the state at each chunk's start, v_new, the state gradient at each chunk's end
-// and dv_new), every gradient that is local to a chunk: dq, dk (summed over the GVA group,
+// walks (the state at each chunk's start, from which it forms v_new again, the state
+// gradient at each chunk's end and dv_new), every gradient that is local to a chunk: dq, dk (summed over the GVA group,
 // through the in-op L2 norm), dv, dg (the chunk-local reverse cumsum of d gcum) and dbeta.
 // The math is cake_ops/pytorch/gdn.py local_gradients, line by line; the kernel and its
 // layout: bwd_local.cu. Torch-free (the binding: gdn/binding.cpp).
@@ -14,7 +14,6 @@
 //   gcum        [NC, HV, 64] fp32        chunk-local cumsum of the floored g (pads: last value)
 //   a           [NC, HV, 64, 64] bf16    A = (I + tril(beta_i D_ij k_i.k_j, -1))^-1, beta NOT folded in
 //   h           [NC, HV, 128 (v), 128 (k)] bf16   S^T at the chunk's start
-//   v_new       [NC, HV, 64, 128] bf16
 //   ds          [NC, HV, 128 (v), 128 (k)] bf16   dS^T at the chunk's end
 //   dv_new      [T, HV, 128] bf16        may be dv itself: each CTA reads its tokens' rows of a
 //               value head before it writes their dv, and no other CTA reads them
@@ -48,7 +47,6 @@ struct GdnBwdLocalArgs {
   const float* gcum;
   const void* a;
   const void* h;
-  const void* v_new;
   const void* ds;
   const void* dv_new;
   const float* initial_state;

@@ -17,7 +17,7 @@ cudaError_t gdn_fwd_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 }
 
 cudaError_t gdn_bwd_tapes_prep_launch(const GdnFwdArgs& p, cudaStream_t stream) {
-  if (p.N > 0 && (p.h_tape == nullptr || p.v_new_tape == nullptr)) return cudaErrorInvalidValue;
+  if (p.N > 0 && p.h_tape == nullptr) return cudaErrorInvalidValue;
   const cudaError_t err = gdn_fwd_plan_launch(p, stream);
   return err != cudaSuccess ? err : gdn_fwd_prep_launch(p, stream);
 }

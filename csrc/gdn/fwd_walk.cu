@@ -3,9 +3,9 @@
 //   output:  the walk of one segment (a whole document when uncut) with the output fused,
 //            from the segment's start state; the last segment writes the final state;
 //   tape:    the backward's recompute: the output mode's walks (same start states, same
-//            chain instructions), writing per chunk the h and v_new tapes instead of o
-//            (no q, P~ or O; no final state; fwd_walk_tapes.cuh);
-//   output and tape: both at once, the forward of the full save mode (its tapes are
+//            chain instructions), writing per chunk the h tape instead of o (no q, P~
+//            or O; no final state; fwd_walk_tapes.cuh);
+//   output and tape: both at once, the forward of the full save mode (its tape is
 //            bitwise tape mode's: the same chain instructions, the same fragments);
 //   reverse: the backward's reverse walk of the state gradient (gdn/bwd_walk.h) on this
 //            CTA, from each segment's last chunk to its first: the dS tape and dv_new
@@ -23,7 +23,7 @@
 //   fwd_walk_state.cuh      the state warpgroups: the chain S -> U -> X -> S, O^T
 //   fwd_walk_reverse.cuh    the reverse walk's state warpgroups: dS -> dv_new -> X -> dS
 //   fwd_walk_output.cuh     the o epilogue
-//   fwd_walk_tapes.cuh      the h and v_new epilogues of tape mode
+//   fwd_walk_tapes.cuh      the h epilogue of tape mode
 //
 // One CTA per (segment, value head[, E or M]) (summaries: a persistent grid, the CTAs
 // taking these walks from a queue), three warpgroups with separate jobs:
@@ -195,8 +195,7 @@ cudaError_t launch_walk_ctas(const GdnFwdArgs& p, int64_t items, cudaStream_t st
   err = encode_walk_maps(p, maps);
   if (err != cudaSuccess) return err;
   const GdnFwdCoreArgs& core = p;
-  const WalkTapes tapes = walks_tapes(kMode) || kMode == WalkMode::kReverse ? WalkTapes{p.h_tape, p.v_new_tape}
-                                                                            : WalkTapes{};
+  const WalkTapes tapes = walks_tapes(kMode) || kMode == WalkMode::kReverse ? WalkTapes{p.h_tape} : WalkTapes{};
   kernel<<<static_cast<unsigned>(blocks), kWalkThreads<kStateWgs>, kWalkSmemBytes<kMode>, stream>>>(core, maps, tapes);
   return cudaGetLastError();
 }
@@ -259,7 +258,7 @@ bool reverse_walk_args_ok(const GdnBwdWalkArgs& r) {
 }  // namespace
 
 cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
-  if (p.h_tape != nullptr && p.v_new_tape != nullptr) return launch_walk<WalkMode::kOutputTape>(p, stream);
+  if (p.h_tape != nullptr) return launch_walk<WalkMode::kOutputTape>(p, stream);
   return launch_walk<WalkMode::kOutput>(p, stream);
 }
 
@@ -269,7 +268,7 @@ cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 
 cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  if (p.h_tape == nullptr || p.v_new_tape == nullptr) return cudaErrorInvalidValue;
+  if (p.h_tape == nullptr) return cudaErrorInvalidValue;
   return launch_walk<WalkMode::kTape>(p, stream);
 }
 

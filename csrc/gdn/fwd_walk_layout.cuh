@@ -27,9 +27,9 @@ namespace cake::gdn_walk {
 // "Backward tapes"):
 //   kOutput   o, from the segment's start state; the last segment writes the final state;
 //   kSummary  E_s (from zero, or the initial state) or M_s (from the identity, v = 0);
-//   kTape     the backward's tapes, from the segment's start state as kOutput: h (S^T at
-//             each chunk's start, bf16) and v_new (bf16); no q, P~, o or final state;
-//   kOutputTape  kOutput and the tapes of kTape in one walk (the full save mode's forward);
+//   kTape     the backward's tape, from the segment's start state as kOutput: h (S^T at
+//             each chunk's start, bf16); no q, P~, o or final state;
+//   kOutputTape  kOutput and the tape of kTape in one walk (the full save mode's forward);
 //   kReverse  the backward's reverse walk of the state gradient dS (gdn/bwd_walk.h), from
 //             the segment's last chunk to its first (fwd_walk_reverse.cuh): do loaded in
 //             place of v; per chunk the dS tape (staged as kOutputTape stages h) and dv_new
@@ -111,12 +111,11 @@ struct WalkMaps {
   CUtensorMap q, k, v, a;
 };
 
-// Tape mode's outputs (GdnFwdArgs::h_tape, v_new_tape; nullptr in the other modes): a
-// kernel parameter of their own after the maps, so that the maps' parameter offset, and
-// with it the other modes' code, is that of a walk without tapes.
+// Tape mode's output (GdnFwdArgs::h_tape; the dS tape in the reverse walk; nullptr in the
+// other modes): a kernel parameter of its own after the maps, so that the maps' parameter
+// offset, and with it the other modes' code, is that of a walk without tapes.
 struct WalkTapes {
   void* h;
-  void* v_new;
 };
 
 }  // namespace cake::gdn_walk

@@ -5,8 +5,7 @@
 // output of its columns (written by fwd_walk_output.cuh). Summary mode runs the same chain
 // instructions as the output mode (so E_s and M_s round as the uncut walk would) minus
 // Q, P~ and O; M_s's walk reads zeros for V. Tape mode runs them minus Q, P~ and O too,
-// and writes the chain's bf16 operands S^T and X as the backward's h and v_new tapes
-// (fwd_walk_tapes.cuh).
+// and writes the chain's bf16 operand S^T as the backward's h tape (fwd_walk_tapes.cuh).
 
 #include <cstdint>
 
@@ -210,13 +209,6 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<0>(o, xfrag[ks], wgmma::desc_k_major(sp, 64, ks), 1);
       wgmma::commit();
-    }
-    if constexpr (kTape) {  // v_new = X^T, while the state update runs
-      const int64_t t0 = seg_start + static_cast<int64_t>(c) * kGdnChunk;
-      __nv_bfloat16* vn_rows = static_cast<__nv_bfloat16*>(tapes.v_new) +
-                               ((first_slot + c) * p.HV + hv) * kGdnChunk * kGdnHeadDim + v0;
-      store_v_new_chunk(xfrag, st, sv, vn_rows, vh, t0, doc_end);
-      if constexpr (kOutput) __syncwarp();  // o is staged in the same columns next
     }
     wgmma::wait<0>();
     if constexpr (kOutput) wgmma::fence_operands(o);

@@ -27,12 +27,13 @@
 //                                          ~ (summaries + chain) the segment transfers of FLA's
 //                                            context-parallel pre-pass, chained
 //   tape walk  the walk again in tape mode for the backward: S^T at each chunk's start
-//              and v_new (fwd_walk_tapes.cuh)   ~ FLA recompute_w_u_fwd + chunk_gated_delta_rule_fwd_h
+//              (fwd_walk_tapes.cuh)             ~ FLA chunk_gated_delta_rule_fwd_h
 //   reverse walk  dS walked back per (segment, value head): dv_new = P^T do + K~ dS,
 //              dS <- e^gl dS + Q~^T do - w^T dv_new (bwd_walk.h: the walk's CTA in reverse
 //              mode, fwd_walk_reverse.cuh; its cut summaries and chain, bwd_chain.cu)
 //                                          ~ FLA chunk_bwd_dv_local + chunk_gated_delta_rule_bwd_dhu
-//   local gradients  per (chunk, q/k head): dq, dk, dv, dbeta, dg from the tapes
+//   local gradients  per (chunk, q/k head): dq, dk, dv, dbeta, dg from the tapes, v_new
+//              formed again from the h tape
 //              (bwd_local.cu)              ~ FLA chunk_bwd_dqkwg + prepare_wy_repr_bwd
 //                                            + chunk_local_cumsum (reverse) + l2norm_bwd
 // Segments: every document is cut at a grid of seg_chunks chunks counted from its start
@@ -69,7 +70,6 @@
 //   walk_queue     [1] int32                     the next summary walk to hand out (the plan zeroes it)
 // and for the backward (gdn_bwd_make_plan), after them:
 //   h_tape         [NC, HV, 128, 128] bf16       [slot, hv, v, k] = S_c[k, v], the chunk's start state
-//   v_new_tape     [NC, HV, 64, 128] bf16        v_new (rows past the document's end: 0)
 //   dS_tape        [NC, HV, 128, 128] bf16       the reverse walk's dS (gdn/bwd_walk.h; its
 //                                                dv_new goes to dv's memory)
 // with NC = ceil(T / 64) + N chunk slots and NI inner segment slots, the segments that
@@ -136,8 +136,7 @@ struct GdnFwdCoreArgs {
 // space) follow the core, and a longer struct would move them and so change the
 // forward walk's code.
 struct GdnFwdArgs : GdnFwdCoreArgs {
-  void* h_tape;      // [NC, HV, 128 (v), 128 (k)] bf16: S^T at each chunk's start (the tape walk)
-  void* v_new_tape;  // [NC, HV, 64 (t), 128 (v)] bf16: v_new per chunk, rows past the document's end 0
+  void* h_tape;  // [NC, HV, 128 (v), 128 (k)] bf16: S^T at each chunk's start (the tape walk)
 };
 
 constexpr int kGdnChunk = 64;     // tokens per chunk: the unit of every GDN workspace and walk step
@@ -166,7 +165,7 @@ cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
 // mode, so the tapes are those of the forward's own walk (same plan, same start states,
 // same instructions). args: a backward plan applied (gdn_bwd_make_plan, plan.h); o and
 // final_state are not read or written. Writes, per used chunk slot (< chunk_offsets[N])
-// and value head, every element of h_tape, v_new_tape, a, gcum, chunk_beta (and qk_lrn with
+// and value head, every element of h_tape, a, gcum, chunk_beta (and qk_lrn with
 // use_qk_l2norm); later slots are left unwritten. In two parts, for a backward that runs
 // the reverse walk beside the second (it needs the first's plan offsets, A and gates
 // only): gdn_bwd_tapes_prep_launch (plan, prep), gdn_bwd_tapes_walk_launch (summaries,

@@ -224,8 +224,7 @@ GdnPlan plan_for_grid(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l
 
 GdnChunkLayout gdn_chunk_layout(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool with_tapes) {
   const int64_t tiles = gdn_fwd_chunk_slots(T, N) * HV;  // (chunk slot, value head) tiles
-  constexpr int64_t kATile = kGdnChunk * kGdnChunk * 2, kStateTile = kGdnHeadDim * kGdnHeadDim * 2,
-                    kChunkTile = kGdnChunk * kGdnHeadDim * 2;
+  constexpr int64_t kATile = kGdnChunk * kGdnChunk * 2, kStateTile = kGdnHeadDim * kGdnHeadDim * 2;
   Carve c;
   GdnChunkLayout l{};
   l.with_tapes = with_tapes;
@@ -235,7 +234,6 @@ GdnChunkLayout gdn_chunk_layout(int64_t T, int64_t N, int64_t H, int64_t HV, boo
   l.chunk_decay = c.take(tiles * 4);
   l.qk_lrn = c.take(use_qk_l2norm ? gdn_fwd_chunk_slots(T, N) * H * 2 * kGdnChunk * 4 : 0);
   l.h_tape = c.take(with_tapes ? tiles * kStateTile : 0);
-  l.v_new_tape = c.take(with_tapes ? tiles * kChunkTile : 0);
   l.bytes = c.bytes;
   return l;
 }
@@ -299,7 +297,6 @@ void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& a, voi
   a.chain_docs = cut ? reinterpret_cast<int32_t*>(base + w.chain_docs) : nullptr;
   a.walk_queue = cut ? reinterpret_cast<int32_t*>(base + w.walk_queue) : nullptr;
   a.h_tape = l.with_tapes ? chunks + l.h_tape : nullptr;
-  a.v_new_tape = l.with_tapes ? chunks + l.v_new_tape : nullptr;
   a.T = plan.T;
   a.N = plan.N;
   a.H = plan.H;

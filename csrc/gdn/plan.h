@@ -64,12 +64,12 @@ int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic);
 // The per-chunk block: the pieces of every chunk slot and head (gdn.h) that the prep and
 // the walk write and the backward reads, byte offsets from the block's start, each
 // 256-byte aligned: a, gcum, chunk_beta, chunk_decay, qk_lrn (0 bytes without
-// use_qk_l2norm) and, with_tapes, h_tape, v_new_tape (else 0 bytes). Its layout depends on T, N, H,
+// use_qk_l2norm) and, with_tapes, h_tape (else 0 bytes). Its layout depends on T, N, H,
 // HV and use_qk_l2norm alone, never on the plan, so that the full save mode can keep it
 // from the forward to the backward as one tensor whose size the op's fake kernel knows
 // (cake_ops/ops/gdn.py, gdn_saved_bytes).
 struct GdnChunkLayout {
-  int64_t a, gcum, chunk_beta, chunk_decay, qk_lrn, h_tape, v_new_tape;
+  int64_t a, gcum, chunk_beta, chunk_decay, qk_lrn, h_tape;
   bool with_tapes;
   int64_t bytes;
 };
@@ -151,8 +151,8 @@ GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_
 // Sets args' plan fields (seg_chunks, seg_long_max, splits, sm_count, shapes, the heads'
 // row strides) and points its workspace pointers into `workspace` (plan.ws.bytes bytes,
 // 256-byte aligned) and the per-chunk block's into `chunk_block` where the plan has it
-// apart (GdnChunkLayout bytes, 256-byte aligned), else into the workspace; h_tape and
-// v_new_tape only where the block has the tapes, else nullptr.
+// apart (GdnChunkLayout bytes, 256-byte aligned), else into the workspace; h_tape only
+// where the block has the tapes, else nullptr.
 void gdn_fwd_apply_plan(const GdnPlan& plan, void* workspace, GdnFwdArgs& args, void* chunk_block = nullptr);
 
 }  // namespace cake

@@ -4,7 +4,8 @@ csrc/gdn/bwd_local.cu) on the GPU.
 The kernel's inputs are built by the PyTorch chunked path (``prepare`` and ``walk_tapes``,
 rounded to the kernel's bf16 layouts: S^T and dS^T tapes, A without beta), and its five
 gradients are checked under NaN-poisoned allocation against ``local_gradients`` on the
-same rounded tapes (dg zeroed below the gate floor, as ``gdn_bwd`` does). Plus bitwise
+same rounded tapes, with v_new formed from the rounded S tape as the kernel forms it
+(dg zeroed below the gate floor, as ``gdn_bwd`` does). Plus bitwise
 repeatability and a document's bits alone and packed with others. Every test is marked
 ``gpu`` and skipped without a Hopper GPU.
 """
@@ -78,7 +79,6 @@ def _setup(case: GdnCase, *, dht: bool, seed: int = 0, floor_tokens: bool = Fals
         gcum=prep.gcum.contiguous(),
         A=_bf(prep.A),
         h=_bf(tapes.h.transpose(-1, -2)),
-        v_new=_bf(tapes.v_new),
         dS=_bf(tapes.dS_end.transpose(-1, -2)),
         dv_new=_bf(from_chunks(tapes.dv_new, prep.layout)),  # [T, HV, 128], dv's layout
         initial_state=inp["initial_state"],
@@ -94,7 +94,10 @@ def _setup(case: GdnCase, *, dht: bool, seed: int = 0, floor_tokens: bool = Fals
     lay = prep.layout
     h_r = torch.where(lay.first[:, None, None, None], tapes.h, r(tapes.h))
     dS_r = torch.where(lay.last[:, None, None, None], tapes.dS_end, r(tapes.dS_end))
-    tapes_r = tapes._replace(h=h_r, v_new=r(tapes.v_new), dS_end=dS_r, dv_new=r(tapes.dv_new))
+    # v_new = A diag(beta) (v - e^gcum k S) from the bf16 S tape, as the kernel forms it
+    # (its operand and result are bf16 there: within the contract's tolerance).
+    e = prep.beta[..., None] * (prep.v - prep.gcum.exp()[..., None] * (prep.k @ r(tapes.h)))
+    tapes_r = tapes._replace(h=h_r, v_new=r(prep.A) @ e, dS_end=dS_r, dv_new=r(tapes.dv_new))
     prep_r = prep._replace(A=r(prep.A))
     dq, dk, dv, dg, dbeta = pytorch_gdn.local_gradients(prep_r, rstd, tapes_r, do, SCALE, case.G)
     dg = torch.where(g < pytorch_gdn.GATE_FLOOR, 0.0, dg)
@@ -103,7 +106,7 @@ def _setup(case: GdnCase, *, dht: bool, seed: int = 0, floor_tokens: bool = Fals
 
 def _call(ops, a):
     return ops.gdn_bwd_local(
-        a["q"], a["k"], a["v"], a["do"], a["g"], a["beta"], a["gcum"], a["A"], a["h"], a["v_new"], a["dS"],
+        a["q"], a["k"], a["v"], a["do"], a["g"], a["beta"], a["gcum"], a["A"], a["h"], a["dS"],
         a["dv_new"], a["initial_state"], a["dht"], a["chunk_offsets"], a["cu_seqlens"], SCALE, a["l2"],
     )
 
@@ -192,7 +195,7 @@ def test_packed_vs_alone(ops):
         alone = {}
         for name in ("q", "k", "v", "do", "g", "beta", "dv_new"):
             alone[name] = args[name][t0:t1].contiguous()
-        for name in ("gcum", "A", "h", "v_new", "dS"):
+        for name in ("gcum", "A", "h", "dS"):
             x = args[name]
             pad = x[s0:s1]
             # The alone call's grid has NC1 >= s1 - s0 slots; the extra ones are unused.

@@ -2,8 +2,8 @@
 the forward's plan, prep, summaries and chain, then the walk in tape mode) on
 the GPU, against the PyTorch chunked backward's forward walk (``cake_ops.pytorch.gdn``
 ``prepare`` + ``walk_tapes``, fp32): the h tape (S^T at each chunk's start) on the used
-chunk slots, v_new on the real token rows (zeros on pad rows), a = A and chunk_beta
-(bitwise the forward prep's), gcum, qk_lrn and chunk_offsets; under NaN-poisoned
+chunk slots (the backward forms v_new again from it; no tape of v_new), a = A and
+chunk_beta (bitwise the forward prep's), gcum, qk_lrn and chunk_offsets; under NaN-poisoned
 allocation (the workspace's bytes are 0xff: NaN in bf16 and fp32), so an unwritten
 element shows. Plus cut grids (exact and truncated cuts), the value split (bitwise),
 bitwise repeatability and T = 0. Every test is marked ``gpu`` and skipped without a GPU.
@@ -70,7 +70,7 @@ def _used(lengths):
 
 
 def _reference(inp, l2):
-    """The PyTorch prep and its forward walk's tapes (fp32); do does not enter h or v_new."""
+    """The PyTorch prep and its forward walk's tapes (fp32); do does not enter h."""
     q, k, v, g, beta, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
     prep, rstd = pytorch_gdn.prepare(q, k, v, g, beta, cu, l2)
     tapes = pytorch_gdn.walk_tapes(prep, torch.zeros_like(v), None, inp["initial_state"], SCALE)
@@ -79,7 +79,7 @@ def _reference(inp, l2):
 
 def _check_against_reference(out, inp, l2, lengths, label):
     """Every returned tape against the PyTorch path; unwritten (NaN) elements fail."""
-    h, v_new, a, chunk_beta, gcum, qk_lrn, chunk_offsets = out
+    h, a, chunk_beta, gcum, qk_lrn, chunk_offsets = out
     prep, rstd, tapes = _reference(inp, l2)
     T, HV = inp["v"].shape[:2]
     H = inp["q"].shape[1]
@@ -87,7 +87,6 @@ def _check_against_reference(out, inp, l2, lengths, label):
     NC = -(-T // C) + N
     used = _used(lengths)
     assert h.shape == (NC, HV, 128, 128) and h.dtype == torch.bfloat16
-    assert v_new.shape == (NC, HV, C, 128) and v_new.dtype == torch.bfloat16
     assert a.shape == (NC, HV, C, C) and a.dtype == torch.bfloat16
     assert chunk_beta.shape == (NC, HV, C) and chunk_beta.dtype == torch.float32
     assert gcum.shape == (NC, HV, C) and gcum.dtype == torch.float32
@@ -96,14 +95,13 @@ def _check_against_reference(out, inp, l2, lengths, label):
 
     chunks = torch.tensor([0] + [-(-n // C) for n in lengths]).cumsum(0).to(torch.int32)
     assert torch.equal(chunk_offsets.cpu(), chunks), f"{label}: chunk_offsets"
-    for name, x in (("h", h), ("v_new", v_new), ("a", a), ("chunk_beta", chunk_beta), ("gcum", gcum)):
+    for name, x in (("h", h), ("a", a), ("chunk_beta", chunk_beta), ("gcum", gcum)):
         assert torch.isfinite(x[:used].float()).all(), f"{label}: {name} has unwritten (NaN) elements"
 
     real = prep.layout.token[:used] < T  # [used, C]: the slot's token rows inside its document
     failures = []
     checks = (
         ("h", h[:used].float(), tapes.h[:used].transpose(-1, -2)),
-        ("v_new", v_new[:used].transpose(1, 2)[real].float(), tapes.v_new[:used].transpose(1, 2)[real]),
         ("a", a[:used].float(), prep.A[:used]),
     )
     for name, x, ref in checks:
@@ -112,7 +110,6 @@ def _check_against_reference(out, inp, l2, lengths, label):
         if not acc.ok:
             failures.append(f"{name}: {acc}")
     assert not failures, f"{label}: " + "; ".join(failures)
-    assert not v_new[:used].transpose(1, 2)[~real].any(), f"{label}: v_new pad rows are not zero"
     acc_g = accuracy(gcum[:used], prep.gcum[:used])
     assert acc_g.finite and acc_g.rel_rms < 1e-5, f"{label}: gcum: {acc_g}"
     assert torch.equal(chunk_beta[:used], prep.beta[:used]), f"{label}: chunk_beta"
@@ -139,7 +136,7 @@ def test_a_is_the_forward_preps(ops, case):
     """The backward's prep gives the forward prep's A, gcum and beta rows bit for bit: the
     tapes are those of the forward's own walk."""
     inp = case.inputs("cuda", seed=2)
-    _, _, a, beta, gcum, _, _ = _call(ops, inp, case.l2norm)
+    _, a, beta, gcum, _, _ = _call(ops, inp, case.l2norm)
     a_fwd, gcum_fwd, beta_fwd, _ = ops.gdn_fwd_prep(inp["q"], inp["k"], inp["g"], inp["beta"], inp["cu_seqlens"],
                                                     case.l2norm)
     used = _used(case.lengths)
@@ -170,7 +167,7 @@ def test_value_split_is_bitwise_the_unsplit_walk(ops, case):
         for value_splits in (1, 2):
             with poisoned_allocations():
                 results.append(_call(ops, inp, case.l2norm, segment_chunks=segment_chunks, value_splits=value_splits))
-        for name, x1, x2 in zip(("h", "v_new", "a", "chunk_beta", "gcum"), results[0], results[1]):
+        for name, x1, x2 in zip(("h", "a", "chunk_beta", "gcum"), results[0], results[1]):
             assert torch.equal(x1[:used], x2[:used]), f"{name}, cut every {segment_chunks} chunks"
 
 
@@ -181,24 +178,28 @@ def test_bitwise_deterministic(ops):
     for segment_chunks in (-1, 2):
         out1 = _call(ops, inp, True, segment_chunks=segment_chunks)
         out2 = _call(ops, inp, True, segment_chunks=segment_chunks)
-        for name, x1, x2 in zip(("h", "v_new", "a", "chunk_beta", "gcum", "qk_lrn"), out1, out2):
+        for name, x1, x2 in zip(("h", "a", "chunk_beta", "gcum", "qk_lrn"), out1, out2):
             assert torch.equal(x1[:used], x2[:used]), f"{name}, segment_chunks {segment_chunks}"
 
 
 def test_tapes_start_where_the_forward_ends(ops):
     """The h tape of a document's first chunk is its initial state (transposed, rounded to
     bf16) bit for bit, and the forward's final state of a one-chunk document follows from
-    the tapes (the state update applied to the kernel's own h and v_new)."""
+    the tapes (the state update applied to the kernel's own h and A, with v_new formed
+    from them as the chunk-local kernel forms it)."""
     case = GdnCase("starts", (64, 40, 64), G=2, l2norm=True, initial_state=True)
     inp = case.inputs("cuda", seed=6)
-    h, v_new, _, _, gcum, _, _ = _call(ops, inp, True)
+    h, a, chunk_beta, gcum, _, _ = _call(ops, inp, True)
     h0 = inp["initial_state"]  # [N, HV, K, V]
     assert torch.equal(h[:3], h0.transpose(-1, -2).to(torch.bfloat16))
     _, ht = ops.gdn_fwd(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], h0, SCALE, True, True)
     prep, _, _ = _reference(inp, True)
     gl = gcum[:3, :, -1:]
     k_dec = (gl - gcum[:3]).exp()[..., None] * prep.k[:3]  # e^(gl - gcum) k, [3, HV, C, K]
-    S = gl[..., None].exp() * h[:3].float().transpose(-1, -2) + k_dec.transpose(-1, -2) @ v_new[:3].float()
+    S0 = h[:3].float().transpose(-1, -2)
+    e = chunk_beta[:3, ..., None] * (prep.v[:3] - gcum[:3].exp()[..., None] * (prep.k[:3] @ S0))
+    v_new = a[:3].float() @ e  # A diag(beta) (v - e^gcum k S)
+    S = gl[..., None].exp() * S0 + k_dec.transpose(-1, -2) @ v_new
     assert accuracy(S, ht).ok
 
 
@@ -207,7 +208,7 @@ def test_no_tokens(ops):
     case = GdnCase("none", (0, 0), G=2, initial_state=True)
     inp = case.inputs("cuda", seed=4)
     with poisoned_allocations():
-        h, v_new, a, chunk_beta, gcum, qk_lrn, chunk_offsets = _call(ops, inp, False)
+        h, a, chunk_beta, gcum, qk_lrn, chunk_offsets = _call(ops, inp, False)
     assert h.shape == (2, 2, 128, 128) and qk_lrn.shape == (0,)
     assert torch.equal(chunk_offsets.cpu(), torch.zeros(3, dtype=torch.int32))
 
