@@ -3,18 +3,19 @@
 
     python tools/gdn_bwd_tape_precision.py [--cases edges,slow] [--seeds 0,2]   # CPU, seconds a case
 
-The CUDA backward (docs/kernels.md, "Backward") keeps four tapes per chunk and value head
-in bf16: h (the state at the chunk's start), v_new, dS (the state gradient at the chunk's
-end) and dv_new. This takes the PyTorch path's fp32 tapes (cake_ops.pytorch.gdn
+The chunked backward has four tapes per chunk and value head: h (the state at the chunk's
+start), v_new, dS (the state gradient at the chunk's end) and dv_new; the CUDA backward
+(docs/kernels.md, "Backward") keeps h, dS and dv_new in bf16 and forms v_new again from
+the bf16 h (since 1c7596e; the v_new variants below). This takes the PyTorch path's fp32 tapes (cake_ops.pytorch.gdn
 walk_tapes), rounds some or all of them to bf16, forms the chunk-local gradients in fp32
 (local_gradients) and prints each gradient's rel-RMS against FP64 autograd of the
 token-by-token reference: what the tapes' rounding alone costs, tape by tape, apart from
 the kernels' other bf16 operands; the kernel's own form (bf16 tapes, fp32 first state
-and last state gradient in dg's term e^gl <dS_end, h>); and that form with v_new not kept
-but formed again by the chunk-local kernel from the bf16 h tape, as FlashQLA's backward
-does (no v_new tape: 16 KB a chunk and value head less memory and traffic):
-v_new = A diag(beta) (v - diag(e^gcum) k S) with S, k, v, A and the product's operand in
-bf16 as the kernel's tiles would hold them.
+and last state gradient in dg's term e^gl <dS_end, h>) with a bf16 v_new tape, as the kernels
+were until 1c7596e; and that form with v_new not kept but formed again by the chunk-local
+kernel from the bf16 h tape, as today's kernel and FlashQLA's backward do (16 KB a chunk
+and value head less memory and traffic): v_new = A diag(beta) (v - diag(e^gcum) k S) with
+S, k, v, A and the product's operand in bf16 as the kernel's tiles hold them.
 """
 
 from __future__ import annotations
