@@ -1,15 +1,19 @@
 #!/usr/bin/env python
-"""Host time per call of the CUDA GDN forward, layer by layer: what bounds stream_ms
-when the kernels are short.
+"""Host time per call of the CUDA GDN forward or forward+backward, layer by layer: what
+bounds stream_ms when the kernels are short.
 
-    python tools/gdn_host_overhead.py [--calls 300] [--profile]   # repo root, Hopper GPU
+    python tools/gdn_host_overhead.py [--op fwd|fwdbwd] [--calls 100] [--profile] [--ops-table]
 
 Times calls issued back to back with no sync (host time) and with the final sync (wall),
-few enough (--calls 100, 5 launches each) that the launch queue never fills and blocks
-the host on the GPU, for: cake_ops.gdn with grad-requiring inputs (what a training step and the benchmark's
-fwd op run), torch.ops.cake.gdn_fwd under no_grad (the custom op without autograd), and
-the raw extension op torch.ops.cake_cuda.gdn_fwd. Shape: s16k_h8 (4 x 4096 tokens,
-(H, HV) = (8, 16)), deterministic, in-op L2 norm. --profile adds a cProfile of the first.
+few enough (--calls 100) that the launch queue never fills and blocks the host on the
+GPU. Layers, --op fwd: cake_ops.gdn with grad-requiring inputs (what a training step and
+the benchmark's fwd op run), torch.ops.cake.gdn_fwd under no_grad (the custom op without
+autograd), the raw extension op torch.ops.cake_cuda.gdn_fwd. --op fwdbwd: the
+benchmark's fwdbwd step (cake_ops.gdn, then torch.autograd.grad of o with do), the two
+custom ops cake::gdn_fwd and cake::gdn_bwd under no_grad, and the two raw extension ops.
+Shape: s16k_h8 (4 x 4096 tokens, (H, HV) = (8, 16)), deterministic, in-op L2 norm.
+--profile adds a cProfile of the first layer; --ops-table the torch profiler's table of
+its host-side ops (self CPU time), which shows what runs besides the kernels' launches.
 """
 
 from __future__ import annotations
@@ -33,14 +37,23 @@ from cake_ops.testing import make_gdn_inputs  # noqa: E402
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--op", choices=("fwd", "fwdbwd"), default="fwd")
     ap.add_argument("--calls", type=int, default=100)
+    ap.add_argument("--shape", default="s16k_h8", help="a benchmark shape (cake_ops.bench.shapes)")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--ops-table", action="store_true")
     args = ap.parse_args()
 
+    from cake_ops.bench.shapes import SHAPES
+
+    shape = SHAPES[args.shape]
     ops = build.load()
-    inp = make_gdn_inputs([4096] * 4, 8, 16, 128, 128, device="cuda", seed=0)
-    q, k, v, g, beta = (inp[n].detach().requires_grad_(True) for n in ("q", "k", "v", "g", "beta"))
+    inp = make_gdn_inputs(list(shape.docs), shape.H, shape.HV, 128, 128, device="cuda", seed=0)
+    leaves = [inp[n].detach().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+    q, k, v, g, beta = leaves
+    qd, kd, vd, gd, bd = (t.detach() for t in leaves)
     cu, scale = inp["cu_seqlens"], 128**-0.5
+    do = torch.randn_like(vd)
 
     def gdn_with_grad():
         with torch.enable_grad():
@@ -51,11 +64,28 @@ def main() -> None:
             return torch.ops.cake.gdn_fwd(q, k, v, g, beta, cu, None, scale, True, True)[0]
 
     def extension_op():
-        return ops.gdn_fwd(q.detach(), k.detach(), v.detach(), g.detach(), beta.detach(), cu, None, scale, True,
-                           True, -1)[0]
+        return ops.gdn_fwd(qd, kd, vd, gd, bd, cu, None, scale, True, True, -1)[0]
 
-    for name, fn in (("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad),
-                     ("cake_cuda.gdn_fwd", extension_op)):
+    def fwdbwd_step():
+        with torch.enable_grad():
+            o = cake_ops.gdn(q, k, v, g, beta, cu, use_qk_l2norm=True)[0]
+            return torch.autograd.grad(o, leaves, do)
+
+    def custom_ops_fwdbwd():
+        with torch.no_grad():
+            torch.ops.cake.gdn_fwd(qd, kd, vd, gd, bd, cu, None, scale, True, True)
+            return torch.ops.cake.gdn_bwd(do, None, qd, kd, vd, gd, bd, cu, None, scale, True, True)
+
+    def extension_fwdbwd():
+        ops.gdn_fwd(qd, kd, vd, gd, bd, cu, None, scale, True, True, -1)
+        return ops.gdn_bwd(do, None, qd, kd, vd, gd, bd, cu, None, scale, True, True, -1, -1, -1, None)
+
+    layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad),
+               ("cake_cuda.gdn_fwd", extension_op)) if args.op == "fwd" else
+              (("fwdbwd step", fwdbwd_step), ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd),
+               ("cake_cuda fwd + bwd", extension_fwdbwd)))
+    print(f"{args.op} at {shape.name}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    for name, fn in layers:
         for _ in range(20):
             fn()
         torch.cuda.synchronize()
@@ -65,18 +95,26 @@ def main() -> None:
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        print(f"{name:24s} host {1e6 * (t1 - t0) / args.calls:7.1f} us/call   wall {1e6 * (t2 - t0) / args.calls:7.1f} us/call")
+        print(f"{name:28s} host {1e6 * (t1 - t0) / args.calls:7.1f} us/call   wall {1e6 * (t2 - t0) / args.calls:7.1f} us/call")
 
+    first = layers[0][1]
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
-        for _ in range(200):
-            gdn_with_grad()
+        for _ in range(args.calls):
+            first()
         prof.disable()
         torch.cuda.synchronize()
-        out = io.StringIO()
-        pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(15)
-        print(out.getvalue())
+        for key in ("tottime", "cumtime"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(25)
+            print(out.getvalue())
+    if args.ops_table:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            for _ in range(args.calls):
+                first()
+        torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
 
 if __name__ == "__main__":

@@ -18,16 +18,35 @@ The gradients are bitwise the same in both. The PyTorch path keeps no tapes (its
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import torch
 
-from .. import dispatch
+from .. import checkpointing, dispatch
 from ..checks import check_cu_seqlens_values, check_gdn, check_gdn_grads, check_scale
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
 
 _warned_nondeterministic = False
+
+# Set by gdn() around the one op call of a checkpoint recompute whose output torch
+# discards (cake_ops.checkpointing); the op's kernels then leave o and the final state
+# unwritten and launch nothing. Consumed by the first kernel that reads it.
+_discarded = threading.local()
+
+
+def _output_discarded() -> bool:
+    if getattr(_discarded, "on", False):
+        _discarded.on = False
+        return True
+    return False
+
+
+def _unwritten_outputs(q, v, cu_seqlens):
+    T, HV, V = v.shape
+    K = q.shape[-1]
+    return v.new_empty(T, HV, V), v.new_empty(cu_seqlens.shape[0] - 1, HV, K, V, dtype=torch.float32)
 
 
 def effective_deterministic(deterministic: bool) -> bool:
@@ -123,6 +142,8 @@ def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
     check_scale(scale)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
+    if _output_discarded():
+        return _unwritten_outputs(q, v, cu_seqlens)
     return pytorch_gdn.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
 
 
@@ -133,6 +154,8 @@ def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2n
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
     deterministic = effective_deterministic(deterministic)
+    if _output_discarded():
+        return _unwritten_outputs(q, v, cu_seqlens)
     from .. import build
 
     # The kernels' first stage checks cu_seqlens's values itself (csrc/gdn/plan.cu).
@@ -207,9 +230,10 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, tapes)
     if tapes is not None:
         ctx.mark_non_differentiable(tapes)
-        # Autograd would otherwise fill a zero gradient of the tapes' size for the
-        # backward (0.48 ms at s32k_h16); an unused o or final state then arrives as None.
-        ctx.set_materialize_grads(False)
+    # An unused o or final state arrives as None: autograd would otherwise fill a zero
+    # gradient for it (the final state's in almost every call: a kernel and about 60 us
+    # of host time at s16k_h8; the tapes' size in the full mode, 0.48 ms at s32k_h16).
+    ctx.set_materialize_grads(False)
     ctx.args = (scale, use_qk_l2norm, deterministic)
 
 
@@ -227,6 +251,16 @@ gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
 gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 SAVE_MODES = ("light", "full")
+RECOMPUTE_OUTPUT = ("auto", "always")
+
+_last_call: dict[str, str] = {}
+
+
+def gdn_diagnostics() -> dict[str, str]:
+    """What the last ``gdn`` call of this process decided: ``recompute_output`` is
+    ``"skipped"`` (a checkpoint recompute whose output torch discards: nothing was
+    launched) or ``"launched"``, and ``why`` says why it was launched."""
+    return dict(_last_call)
 
 
 def gdn(
@@ -243,6 +277,7 @@ def gdn(
     use_qk_l2norm: bool = False,
     deterministic: bool = True,
     save_mode: str = "light",
+    recompute_output: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet (chunked, differentiable) over packed variable-length documents.
 
@@ -262,6 +297,12 @@ def gdn(
             only, the backward recomputes the rest; "full" also the forward's tapes
             (``gdn_saved_bytes``, about 1 KB per token and value head on the CUDA path),
             so the backward runs faster. Gradients are bitwise the same in both.
+        recompute_output: "auto" (default): in the recompute of a non-reentrant
+            ``torch.utils.checkpoint`` whose last saved tensors are this call's (nothing
+            after it in the region saves), launch nothing, since torch discards the
+            output (``cake_ops.checkpointing``; ``gdn_diagnostics()`` says what the last
+            call did and why). "always": launch the forward in every case. Gradients and
+            saved bytes are the same either way.
     Returns:
         (o in v's layout and dtype, final_state or None).
     """
@@ -271,6 +312,8 @@ def gdn(
     check_gdn(q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state)
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    if recompute_output not in RECOMPUTE_OUTPUT:
+        raise ValueError(f"recompute_output must be one of {RECOMPUTE_OUTPUT}, got {recompute_output!r}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     check_scale(scale)
@@ -281,10 +324,24 @@ def gdn(
     saves = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, packed["k"], packed["v"], packed["g"], packed["beta"],
                                                    initial_state))
-    if save_mode == "full" and saves:
+    if torch.compiler.is_compiling():  # traced: one op call, no frame to read (and no Python state to keep)
+        if save_mode == "full" and saves:
+            o, final_state, _ = torch.ops.cake.gdn_fwd_full(*args)
+        else:
+            o, final_state = torch.ops.cake.gdn_fwd(*args)
+    elif save_mode == "full" and saves:
+        _last_call.update(recompute_output="launched", why="save_mode='full': the forward writes the tapes it saves")
         o, final_state, _ = torch.ops.cake.gdn_fwd_full(*args)
     else:
-        o, final_state = torch.ops.cake.gdn_fwd(*args)
+        # The light mode's node saves q, k, v, g, beta, cu_seqlens and the initial state.
+        why = ("recompute_output='always'" if recompute_output == "always" else
+               checkpointing.recompute_output_proof((7 if initial_state is not None else 6) if saves else 0))
+        _last_call.update(recompute_output="launched" if why else "skipped", why=why or "")
+        _discarded.on = why is None
+        try:
+            o, final_state = torch.ops.cake.gdn_fwd(*args)
+        finally:
+            _discarded.on = False
     if batch is not None:
         o = o.unflatten(0, batch)
     return o, (final_state if output_final_state else None)
