@@ -3,6 +3,9 @@
     PYTHONPATH=. python examples/train_lm.py                 # compiled (inductor), CPU or CUDA
     PYTHONPATH=. python examples/train_lm.py --no-compile    # eager
     PYTHONPATH=. python examples/train_lm.py --backend aot_eager --steps 100
+    PYTHONPATH=. python examples/train_lm.py --checkpoint          # each block under non-reentrant checkpoint
+    PYTHONPATH=. python examples/train_lm.py --cuda-graph          # CUDA: the compiled step replays CUDA graphs
+    PYTHONPATH=. python examples/train_lm.py --trace out/trace     # torch.profiler trace of steps 2-4
 
 Model: Embedding -> n_layers x [RMSNorm -> cake_ops.GatedDeltaNet -> +, RMSNorm -> SwiGLU
 -> +] -> RMSNorm -> LM head. Data: the paragraphs of ``examples/data/fables.txt``, one
@@ -12,6 +15,11 @@ length <= --max-doc-len) into one row of exactly T tokens described by ``cu_seql
 end, i.e. repeated T) so every step has the same shapes and the compiled model never
 recompiles. The loss is next-character cross entropy inside each document: the target
 that would cross a document boundary is masked out.
+
+--trace writes a trace that TensorBoard's profiler plugin (torch-tb-profiler) opens, and
+prints each cake stage's time per step: the CUDA ops launch every stage's kernels under a
+range named after the op and the stage (``cake::gdn_fwd/walk``, ``cake::gdn_bwd/local``,
+...; README, "Profiling").
 
 Exits with status 1 if the final smoothed loss is not below the initial one (or is not
 finite), so CI can use a short run as an end-to-end check of the ops under training.
@@ -30,6 +38,7 @@ import time
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 import cake_ops
 
@@ -171,13 +180,17 @@ class GDNLanguageModel(nn.Module):
                 nn.init.normal_(w, std=0.02 / math.sqrt(2 * args.layers))
         if args.tie_embeddings:
             self.head.weight = self.embed.weight
+        self.checkpoint = args.checkpoint
 
     def forward(self, idx, cu_seqlens=None, targets=None):
         """idx: [1, T] (packed documents described by cu_seqlens) or [B, T]. Returns the
         logits, or the mean next-token loss over the unmasked targets when given."""
         x = self.embed(idx)
         for block in self.blocks:
-            x = block(x, cu_seqlens)
+            if self.checkpoint and self.training:
+                x = checkpoint(block, x, cu_seqlens, use_reentrant=False)
+            else:
+                x = block(x, cu_seqlens)
         logits = self.head(self.norm(x)).float()
         if targets is None:
             return logits
@@ -219,6 +232,13 @@ def parse_args():
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile(model, fullgraph=True)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend, e.g. inductor or aot_eager")
+    p.add_argument("--checkpoint", action="store_true",
+                   help="each block under non-reentrant torch.utils.checkpoint (its activations recomputed in backward)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="CUDA: the compiled forward and backward replay CUDA graphs (torch.compile mode='reduce-overhead')")
+    p.add_argument("--trace", default=None, metavar="DIR",
+                   help="write a torch.profiler trace of steps 2-4 to DIR (TensorBoard's torch-tb-profiler opens it) "
+                        "and print each cake stage's time per step")
     p.add_argument("--time-budget", type=float, default=150.0,
                    help="seconds since start (compile included) after which training stops early; <= 0: none")
     p.add_argument("--threads", type=int, default=1,
@@ -252,7 +272,25 @@ def parse_args():
         # document of pack_batch is then never needed.
         args.min_doc_len = -(-args.seq_len // args.max_docs)
     args.min_doc_len = max(2, min(args.min_doc_len, args.max_doc_len))
+    if args.cuda_graph and (kind != "cuda" or not args.compile or args.backend != "inductor"):
+        p.error("--cuda-graph needs a CUDA device and torch.compile with the inductor backend")
+    if args.trace and args.steps < 5:
+        p.error("--trace profiles steps 2-4: give --steps 5 or more")
     return args
+
+
+TRACE_STEPS = (2, 5)  # the steps [first, last) that --trace records: compiled, warm
+
+
+def stage_table(prof, steps: int, on_cuda: bool) -> str:
+    """Per step: the device time of each cake op and stage range (the CPU time on a CPU,
+    where the ops run their PyTorch implementation and launch no kernels)."""
+    rows = [e for e in prof.key_averages() if e.key.startswith("cake::")]
+    key = (lambda e: e.device_time_total) if on_cuda else (lambda e: e.cpu_time_total)
+    lines = [f"{'cake op / stage':40s} {'calls':>6s} {'ms per step':>12s}"]
+    for e in sorted(rows, key=key, reverse=True):
+        lines.append(f"{e.key:40s} {e.count // steps:6d} {key(e) / 1e3 / steps:12.3f}")
+    return "\n".join(lines)
 
 
 def main() -> int:
@@ -276,7 +314,8 @@ def main() -> int:
     print(f"run: device {device}{' (bf16 autocast)' if on_cuda else ' (fp32)'}, T={args.seq_len} tokens/step, "
           f"cu_seqlens of {args.max_docs + 1} entries, docs truncated to [{args.min_doc_len}, {args.max_doc_len}], "
           f"{args.steps} steps, lr {args.lr} (warmup {args.warmup}, cosine), "
-          f"{'torch.compile(fullgraph=True, backend=' + repr(args.backend) + ')' if args.compile else 'eager'}, "
+          f"{'torch.compile(fullgraph=True, backend=' + repr(args.backend) + ')' if args.compile else 'eager'}"
+          f"{', CUDA graphs' if args.cuda_graph else ''}{', blocks checkpointed' if args.checkpoint else ''}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -288,9 +327,21 @@ def main() -> int:
 
     if args.compile:
         torch._dynamo.config.error_on_recompile = True  # static shapes: any recompile is a bug
-        step_model = torch.compile(model, fullgraph=True, backend=args.backend)
+        step_model = torch.compile(model, fullgraph=True, backend=args.backend,
+                                   mode="reduce-overhead" if args.cuda_graph else None)
     else:
         step_model = model
+    prof = None
+    if args.trace:
+        first, last = TRACE_STEPS
+        prof = torch.profiler.profile(
+            activities=[torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if on_cuda else []),
+            schedule=torch.profiler.schedule(wait=first - 1, warmup=1, active=last - first, repeat=1),
+            on_trace_ready=torch.profiler.tensorboard_trace_handler(args.trace),
+        )
+        prof.start()
+    if on_cuda:
+        torch.cuda.reset_peak_memory_stats(device)
 
     losses: list[float] = []
     docs_seen = 0
@@ -308,6 +359,8 @@ def main() -> int:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         t0 = time.perf_counter()
+        if args.cuda_graph:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are dead
         with amp():
             loss = step_model(tokens, cu, targets)
         loss.backward()
@@ -317,6 +370,10 @@ def main() -> int:
         value = loss.item()  # syncs
         losses.append(value)
         docs_seen += n_docs
+        if prof is not None and step < TRACE_STEPS[1]:
+            prof.step()
+            if step == TRACE_STEPS[1] - 1:
+                prof.stop()
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         if step == 0:
             first_step_s = time.perf_counter() - t0
@@ -352,6 +409,13 @@ def main() -> int:
         print(f"compiled graphs: {frames} (recompiles would have raised)")
     print(f"loss: step 0 {losses[0]:.4f}, first {k} steps mean {first:.4f} -> last {k} steps mean {final:.4f}"
           f" (uniform would be ln(V) = {math.log(data.vocab_size):.4f})")
+    if on_cuda:
+        print(f"peak memory: {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB allocated "
+              f"({'blocks under checkpoint' if args.checkpoint else 'no checkpoint'}"
+              f"{', CUDA graphs' if args.cuda_graph else ''})")
+    if prof is not None:
+        print(f"trace of steps {TRACE_STEPS[0]}-{TRACE_STEPS[1] - 1} in {args.trace} (tensorboard --logdir {args.trace})")
+        print(stage_table(prof, TRACE_STEPS[1] - TRACE_STEPS[0], on_cuda))
 
     model.eval()
     gen = torch.Generator().manual_seed(args.seed)

@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/record_function.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -175,6 +176,32 @@ GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor
                            static_cast<int>(head_slices), tapes);
 }
 
+// One stage's launches under a profiler range named after the op and the stage
+// ("cake::gdn_fwd/prep"), so that a torch.profiler trace shows each kernel under its stage
+// (README, "Profiling"). A range costs nothing while no profiler runs.
+template <typename Args>
+void launch_stage(const char* op, const char* range, cudaError_t (*launch)(const Args&, cudaStream_t),
+                  const Args& args, cudaStream_t stream) {
+  RECORD_FUNCTION(range, std::vector<c10::IValue>());
+  const cudaError_t err = launch(args, stream);
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (", range, "): ", cudaGetErrorString(err));
+}
+
+// The forward's stages in order (gdn.h); each returns at once when the call's plan gives
+// it nothing to do.
+struct FwdStage {
+  const char* range;
+  const char* range_full;  // under gdn_fwd_full
+  cudaError_t (*launch)(const GdnFwdArgs&, cudaStream_t);
+};
+constexpr FwdStage kFwdStages[] = {
+    {"cake::gdn_fwd/plan", "cake::gdn_fwd_full/plan", gdn_fwd_plan_launch},
+    {"cake::gdn_fwd/prep", "cake::gdn_fwd_full/prep", gdn_fwd_prep_launch},
+    {"cake::gdn_fwd/summaries", "cake::gdn_fwd_full/summaries", gdn_fwd_summary_launch},
+    {"cake::gdn_fwd/chain", "cake::gdn_fwd_full/chain", gdn_fwd_chain_launch},
+    {"cake::gdn_fwd/walk", "cake::gdn_fwd_full/walk", gdn_fwd_walk_launch},
+};
+
 // The whole forward: (o, final_state); segment_chunks and value_splits as check_and_plan_walk says.
 // keep_tapes (the full save mode): the per-chunk block with the tapes is a tensor of its
 // own (GdnChunkLayout), written by the prep (with A) and the walk (o and the tapes in one
@@ -188,8 +215,9 @@ GdnFwdCall run_gdn_fwd(const char* op, const at::Tensor& q, const at::Tensor& k,
   const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
                                            segment_chunks, value_splits, /*backward=*/false, 1, keep_tapes);
   GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale);
-  const cudaError_t launch_err = gdn_fwd_launch(c.args, c10::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(launch_err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(launch_err));
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (const FwdStage& stage : kFwdStages)
+    launch_stage(op, keep_tapes ? stage.range_full : stage.range, stage.launch, c.args, stream);
   return c;
 }
 
@@ -622,8 +650,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     f.initial_state = heads_on(f.initial_state, hv0, D * D, 4);
     // Kept tapes: only the plan kernel's offsets (the backward's own plan: its cut grid
     // may differ from the forward's where the SM count does).
-    cudaError_t err = tapes ? gdn_fwd_plan_launch(f, stream) : gdn_bwd_tapes_prep_launch(f, stream);
-    TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tapes): ", cudaGetErrorString(err));
+    if (tapes)
+      launch_stage(op, "cake::gdn_bwd/plan", gdn_fwd_plan_launch, f, stream);
+    else
+      launch_stage(op, "cake::gdn_bwd/tapes_prep", gdn_bwd_tapes_prep_launch, f, stream);
 
     GdnBwdWalkArgs r{};
     r.q = f.q;
@@ -655,14 +685,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     r.summary_splits = f.summary_splits;
     if (side) {
       side->fork();
-      err = gdn_bwd_walk_launch(r, side->stream());
-      TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
-      err = gdn_bwd_tapes_walk_launch(f, stream);
-      TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (tape walk): ", cudaGetErrorString(err));
+      launch_stage(op, "cake::gdn_bwd/reverse_walk", gdn_bwd_walk_launch, r, side->stream());
+      launch_stage(op, "cake::gdn_bwd/tapes_walk", gdn_bwd_tapes_walk_launch, f, stream);
       side->join();
     } else {
-      err = gdn_bwd_walk_launch(r, stream);
-      TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (reverse walk): ", cudaGetErrorString(err));
+      launch_stage(op, "cake::gdn_bwd/reverse_walk", gdn_bwd_walk_launch, r, stream);
     }
 
     GdnBwdLocalArgs l{};
@@ -690,8 +717,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     l.dbeta = heads_on(dbeta.data_ptr(), hv0, 1, beta_bytes);
     set_stage_shapes(l, f, scale);
     l.use_qk_l2norm = use_qk_l2norm;
-    err = gdn_bwd_local_launch(l, stream);
-    TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed (local gradients): ", cudaGetErrorString(err));
+    launch_stage(op, "cake::gdn_bwd/local", gdn_bwd_local_launch, l, stream);
   }
   return {dq, dk, dv, dg, dbeta, dh0};
 }

@@ -156,10 +156,6 @@ constexpr float kGdnTruncLogDecay = -20.f;  // a cut is truncated where the wind
 // The PyTorch path applies the same floor (docs/contract.md, "Accuracy").
 constexpr float kGdnGateFloor = -128.f;
 
-// The whole forward: plan, prep, segment summaries and chain (if cut), walk. Returns
-// the first launch error. args: shapes, tensors and a GdnPlan applied (plan.h).
-cudaError_t gdn_fwd_launch(const GdnFwdArgs& args, cudaStream_t stream);
-
 // The backward's forward-direction recompute ("B1"; docs/kernels.md, "Backward tapes"):
 // plan, prep, summaries and chain as the forward's, then the walk in tape
 // mode, so the tapes are those of the forward's own walk (same plan, same start states,
@@ -174,7 +170,10 @@ cudaError_t gdn_bwd_tapes_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_bwd_tapes_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_bwd_tapes_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
-// The stages (also usable alone, e.g. by a backward that recomputes the forward).
+// The forward's stages, which the binding launches in this order, each under its profiler
+// range: plan, prep, segment summaries and chain (when cut), walk. args: shapes, tensors
+// and a GdnPlan applied (plan.h). Also usable alone, e.g. by a backward that recomputes the
+// forward.
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& args, cudaStream_t stream);
