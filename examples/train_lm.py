@@ -285,7 +285,9 @@ TRACE_STEPS = (2, 5)  # the steps [first, last) that --trace records: compiled, 
 def stage_table(prof, steps: int, on_cuda: bool) -> str:
     """Per step: the device time of each cake op and stage range (the CPU time on a CPU,
     where the ops run their PyTorch implementation and launch no kernels)."""
-    rows = [e for e in prof.key_averages() if e.key.startswith("cake::")]
+    # The ops and stage ranges; the kernels (also named cake::..., with their signatures)
+    # are each counted in their range.
+    rows = [e for e in prof.key_averages() if e.key.startswith("cake::") and "(" not in e.key]
     key = (lambda e: e.device_time_total) if on_cuda else (lambda e: e.cpu_time_total)
     lines = [f"{'cake op / stage':40s} {'calls':>6s} {'ms per step':>12s}"]
     for e in sorted(rows, key=key, reverse=True):
