@@ -4,7 +4,7 @@ import torch
 
 from cake_ops import dispatch
 from cake_ops.checks import check_gdn, check_gdn_grads, check_scale
-from cake_ops.ops.gdn import gdn_saved_bytes
+from cake_ops.ops.gdn import gdn_tapes_bytes
 
 
 @torch.library.register_fake("cake::gdn_fwd")
@@ -22,7 +22,7 @@ def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
     T, H, HV, N = q.shape[0], q.shape[1], v.shape[1], cu_seqlens.shape[0] - 1
     # The tapes exist where the CUDA kernels take the call (the same static rule as the op's).
     on_cuda = q.device.type == "cuda" and dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is None
-    tapes = q.new_empty(gdn_saved_bytes(T, N, H, HV, use_qk_l2norm) if on_cuda else 0, dtype=torch.uint8)
+    tapes = q.new_empty(gdn_tapes_bytes(T, N, H, HV, use_qk_l2norm) if on_cuda else 0, dtype=torch.uint8)
     return o, final_state, tapes
 
 

@@ -11,7 +11,8 @@ PyTorch algorithm of ``cake_ops.pytorch.gdn``). Fake kernels: ``meta/gdn.py``. T
 Save modes (``gdn(save_mode=...)``; docs/contract.md, "Save modes"): ``"light"`` (the
 default) saves the inputs only and the backward recomputes the forward's tapes;
 ``"full"`` runs ``cake::gdn_fwd_full``, whose CUDA forward also writes the tapes (the
-per-chunk block of csrc/gdn/plan.h, ``gdn_saved_bytes`` bytes) for the backward to read.
+per-chunk block of csrc/gdn/plan.h, ``gdn_tapes_bytes`` bytes) for the backward to read;
+``gdn_saved_bytes`` counts everything a call keeps for its backward.
 The gradients are bitwise the same in both. The PyTorch path keeps no tapes (its
 ``tapes`` output is empty) and recomputes in either mode.
 """
@@ -85,7 +86,7 @@ def gdn_fwd(
     return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
 
 
-def gdn_saved_bytes(T: int, N: int, H: int, HV: int, use_qk_l2norm: bool) -> int:
+def gdn_tapes_bytes(T: int, N: int, H: int, HV: int, use_qk_l2norm: bool) -> int:
     """Bytes of the full save mode's tapes on the CUDA path (csrc/gdn/plan.cu
     ``gdn_chunk_layout`` with the tapes): per chunk slot (ceil(T / 64) + N of them) and
     value head A (bf16 64 x 64), gcum and beta (fp32 64 each), the chunk decay (fp32) and
@@ -97,6 +98,43 @@ def gdn_saved_bytes(T: int, N: int, H: int, HV: int, use_qk_l2norm: bool) -> int
               (-(-T // pytorch_gdn.CHUNK) + N) * H * 2 * 64 * 4 if use_qk_l2norm else 0,
               tiles * 128 * 128 * 2)
     return sum(-(-n // 256) * 256 for n in pieces)
+
+
+def gdn_saved_bytes(
+    T: int,
+    N: int,
+    H: int,
+    HV: int,
+    K: int = 128,
+    V: int = 128,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    beta_dtype: torch.dtype = torch.float32,
+    cu_seqlens_dtype: torch.dtype = torch.int32,
+    initial_state: bool = False,
+    use_qk_l2norm: bool = False,
+    save_mode: str = "light",
+    device: str = "cuda",
+) -> int:
+    """Bytes of the tensors a ``gdn`` call's autograd node keeps from the forward to the
+    backward, for T tokens in N documents, H q/k heads and HV value heads of dims K, V:
+    q, k, v (``dtype``), g (fp32), beta, ``cu_seqlens`` and the initial state when given
+    (tensors the caller holds anyway unless they are temporaries of its forward), and in
+    the full save mode the tapes the CUDA forward writes (``gdn_tapes_bytes``; none where
+    the call runs the PyTorch implementation: ``device`` other than "cuda", or a call
+    the CUDA kernels do not take, ``cake_ops.dispatch``). Tests compare it with the
+    tensors the op saves (tests/op/test_byte_queries.py)."""
+    if save_mode not in SAVE_MODES:
+        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    size = lambda n, dt: n * torch.empty((), dtype=dt).element_size()  # noqa: E731
+    saved = (size(2 * T * H * K, dtype) + size(T * HV * V, dtype) + size(T * HV, torch.float32)
+             + size(T * HV, beta_dtype) + size(N + 1, cu_seqlens_dtype)
+             + (size(N * HV * K * V, torch.float32) if initial_state else 0))
+    cuda_kernels = (device == "cuda" and dtype == torch.bfloat16
+                    and (K, V) == (dispatch.GDN_CUDA_HEAD_DIM, dispatch.GDN_CUDA_HEAD_DIM))
+    if save_mode == "full" and cuda_kernels:
+        saved += gdn_tapes_bytes(T, N, H, HV, use_qk_l2norm)
+    return saved
 
 
 @torch.library.custom_op("cake::gdn_fwd_full", mutates_args=())
@@ -113,7 +151,7 @@ def gdn_fwd_full(
     deterministic: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``cake::gdn_fwd`` of the full save mode: (o, final_state, tapes), tapes uint8
-    [``gdn_saved_bytes``] on the CUDA path (the forward's tapes for ``cake::gdn_bwd``),
+    [``gdn_tapes_bytes``] on the CUDA path (the forward's tapes for ``cake::gdn_bwd``),
     empty on the PyTorch path. o and final_state are bitwise ``cake::gdn_fwd``'s."""
     return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
 
@@ -295,7 +333,8 @@ def gdn(
         deterministic: bitwise reproducible (default). False allows faster plans.
         save_mode: what the forward keeps for the backward: "light" (default) the inputs
             only, the backward recomputes the rest; "full" also the forward's tapes
-            (``gdn_saved_bytes``, about 1 KB per token and value head on the CUDA path),
+            (``gdn_tapes_bytes``, about 650 bytes per token and value head on the CUDA path;
+            ``gdn_saved_bytes`` counts all a call keeps),
             so the backward runs faster. Gradients are bitwise the same in both.
         recompute_output: "auto" (default): in the recompute of a non-reentrant
             ``torch.utils.checkpoint`` whose last saved tensors are this call's (nothing

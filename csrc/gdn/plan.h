@@ -67,7 +67,7 @@ int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic);
 // use_qk_l2norm) and, with_tapes, h_tape (else 0 bytes). Its layout depends on T, N, H,
 // HV and use_qk_l2norm alone, never on the plan, so that the full save mode can keep it
 // from the forward to the backward as one tensor whose size the op's fake kernel knows
-// (cake_ops/ops/gdn.py, gdn_saved_bytes).
+// (cake_ops/ops/gdn.py, gdn_tapes_bytes).
 struct GdnChunkLayout {
   int64_t a, gcum, chunk_beta, chunk_decay, qk_lrn, h_tape;
   bool with_tapes;

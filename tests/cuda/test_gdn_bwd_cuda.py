@@ -150,10 +150,10 @@ def test_repeats_at_a_benchmark_shape_back_to_back(ops):
 @pytest.mark.parametrize("deterministic", [True, False], ids=["deterministic", "nondeterministic"])
 def test_full_save_mode_gives_the_same_bits(ops, deterministic):
     """The full save mode: gdn_fwd_full's o and final state are bitwise gdn_fwd's, its
-    tapes are gdn_saved_bytes long, and the backward reading them (NaN-poisoned) gives
+    tapes are gdn_tapes_bytes long, and the backward reading them (NaN-poisoned) gives
     bitwise the gradients of the backward that recomputes them; a wrong tapes tensor is
     refused before any kernel runs."""
-    from cake_ops.ops.gdn import gdn_saved_bytes
+    from cake_ops.ops.gdn import gdn_tapes_bytes
 
     case = GdnCase("full_mode", (64 * 70 + 5, 1, 300, 0, 64), H=2, G=3, gate="slow", beta="extreme", l2norm=True,
                    initial_state=True)
@@ -168,7 +168,7 @@ def test_full_save_mode_gives_the_same_bits(ops, deterministic):
         full = ops.gdn_bwd(do, dht, *args, -1, -1, -1, tapes)
     assert torch.equal(o, o_light) and torch.equal(ht, ht_light)
     T, H, HV, N = inp["q"].shape[0], case.H, case.HV, len(case.lengths)
-    assert tapes.dtype == torch.uint8 and tapes.numel() == gdn_saved_bytes(T, N, H, HV, True)
+    assert tapes.dtype == torch.uint8 and tapes.numel() == gdn_tapes_bytes(T, N, H, HV, True)
     for name, a, b in zip(GRADS, light, full):
         assert torch.equal(a, b), f"full save mode: {name} has other bits"
     with pytest.raises(RuntimeError, match="tapes must be"):
