@@ -121,9 +121,9 @@ def gdn_saved_bytes(
     q, k, v (``dtype``), g (fp32), beta, ``cu_seqlens`` and the initial state when given
     (tensors the caller holds anyway unless they are temporaries of its forward), and in
     the full save mode the tapes the CUDA forward writes (``gdn_tapes_bytes``; none where
-    the call runs the PyTorch implementation: ``device`` other than "cuda", or a call
-    the CUDA kernels do not take, ``cake_ops.dispatch``). Tests compare it with the
-    tensors the op saves (tests/op/test_byte_queries.py)."""
+    the call runs the PyTorch implementation, which keeps no tapes: ``device`` other than
+    "cuda", or a dtype or head dims the CUDA kernels do not take, ``cake_ops.dispatch``).
+    Tests compare it with the tensors the op saves (tests/op/test_byte_queries.py)."""
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     size = lambda n, dt: n * torch.empty((), dtype=dt).element_size()  # noqa: E731
