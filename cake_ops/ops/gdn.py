@@ -126,10 +126,8 @@ def gdn_saved_bytes(
     Tests compare it with the tensors the op saves (tests/op/test_byte_queries.py)."""
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
-    size = lambda n, dt: n * torch.empty((), dtype=dt).element_size()  # noqa: E731
-    saved = (size(2 * T * H * K, dtype) + size(T * HV * V, dtype) + size(T * HV, torch.float32)
-             + size(T * HV, beta_dtype) + size(N + 1, cu_seqlens_dtype)
-             + (size(N * HV * K * V, torch.float32) if initial_state else 0))
+    saved = ((2 * T * H * K + T * HV * V) * dtype.itemsize + T * HV * (4 + beta_dtype.itemsize)
+             + (N + 1) * cu_seqlens_dtype.itemsize + (N * HV * K * V * 4 if initial_state else 0))
     cuda_kernels = (device == "cuda" and dtype == torch.bfloat16
                     and (K, V) == (dispatch.GDN_CUDA_HEAD_DIM, dispatch.GDN_CUDA_HEAD_DIM))
     if save_mode == "full" and cuda_kernels:
@@ -363,23 +361,24 @@ def gdn(
     saves = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, packed["k"], packed["v"], packed["g"], packed["beta"],
                                                    initial_state))
-    if torch.compiler.is_compiling():  # traced: one op call, no frame to read (and no Python state to keep)
-        if save_mode == "full" and saves:
+    full = save_mode == "full" and saves
+    skip = False
+    if not torch.compiler.is_compiling():  # traced, there is no frame to read (and no Python state to keep)
+        # The light mode's node saves q, k, v, g, beta, cu_seqlens and the initial state.
+        why = ("save_mode='full': the forward writes the tapes it saves" if full else
+               "recompute_output='always'" if recompute_output == "always" else
+               checkpointing.recompute_output_proof((7 if initial_state is not None else 6) if saves else 0))
+        _last_call.update(recompute_output="launched" if why else "skipped", why=why or "")
+        skip = why is None
+    if skip:
+        _discarded.on = True
+    try:
+        if full:
             o, final_state, _ = torch.ops.cake.gdn_fwd_full(*args)
         else:
             o, final_state = torch.ops.cake.gdn_fwd(*args)
-    elif save_mode == "full" and saves:
-        _last_call.update(recompute_output="launched", why="save_mode='full': the forward writes the tapes it saves")
-        o, final_state, _ = torch.ops.cake.gdn_fwd_full(*args)
-    else:
-        # The light mode's node saves q, k, v, g, beta, cu_seqlens and the initial state.
-        why = ("recompute_output='always'" if recompute_output == "always" else
-               checkpointing.recompute_output_proof((7 if initial_state is not None else 6) if saves else 0))
-        _last_call.update(recompute_output="launched" if why else "skipped", why=why or "")
-        _discarded.on = why is None
-        try:
-            o, final_state = torch.ops.cake.gdn_fwd(*args)
-        finally:
+    finally:
+        if skip:
             _discarded.on = False
     if batch is not None:
         o = o.unflatten(0, batch)
