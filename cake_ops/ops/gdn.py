@@ -356,7 +356,7 @@ def gdn(
     check_scale(scale)
     args = (q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state, float(scale),
             use_qk_l2norm, deterministic)
-    # A forward that autograd will not save for (no_grad, as checkpointing's first pass)
+    # A forward that autograd will not save for (no_grad, as reentrant checkpointing's first pass)
     # keeps no tapes in either mode.
     saves = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, packed["k"], packed["v"], packed["g"], packed["beta"],
