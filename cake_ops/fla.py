@@ -4,7 +4,8 @@
     from cake_ops import chunk_gated_delta_rule   # instead of fla.ops.gated_delta_rule
 
 Differences: ``deterministic`` (default True), ``save_mode`` (default ``"light"``) and
-``recompute_output`` (default ``"auto"``; see ``cake_ops.gdn``) are extra keywords; ``cu_seqlens_cpu``
+``recompute_output`` (default ``"auto"``) and ``graph`` (default ``"off"``; see
+``cake_ops.gdn``) are extra keywords; ``cu_seqlens_cpu``
 is accepted and ignored (cake never reads ``cu_seqlens`` on the host); the deprecated
 ``head_first=True`` layout is refused.
 """
@@ -32,6 +33,7 @@ def chunk_gated_delta_rule(
     deterministic: bool = True,
     save_mode: str = "light",
     recompute_output: str = "auto",
+    graph: str = "off",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; with ``cu_seqlens``
     B must be 1. Returns (o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)."""
@@ -48,4 +50,5 @@ def chunk_gated_delta_rule(
         deterministic=deterministic,
         save_mode=save_mode,
         recompute_output=recompute_output,
+        graph=graph,
     )

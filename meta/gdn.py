@@ -8,7 +8,7 @@ from cake_ops.ops.gdn import gdn_tapes_bytes
 
 
 @torch.library.register_fake("cake::gdn_fwd")
-def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     o = v.new_empty(T, HV, V)
@@ -17,7 +17,7 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, d
 
 
 @torch.library.register_fake("cake::gdn_fwd_full")
-def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
     o, final_state = gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
     T, H, HV, N = q.shape[0], q.shape[1], v.shape[1], cu_seqlens.shape[0] - 1
     # The tapes exist where the CUDA kernels take the call (the same static rule as the op's).
@@ -27,7 +27,8 @@ def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
 
 
 @torch.library.register_fake("cake::gdn_bwd")
-def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, tapes=None):
+def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, tapes=None,
+            graph=False):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)

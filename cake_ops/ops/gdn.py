@@ -24,7 +24,7 @@ import warnings
 
 import torch
 
-from .. import checkpointing, dispatch
+from .. import checkpointing, dispatch, graphs
 from ..checks import check_cu_seqlens_values, check_gdn, check_gdn_grads, check_scale
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
@@ -77,11 +77,14 @@ def gdn_fwd(
     scale: float,
     use_qk_l2norm: bool,
     deterministic: bool,
+    graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked GDN forward over packed documents.
 
     Returns (o [T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32). The final state
-    is always produced (it is small); ``cake_ops.gdn`` drops it unless asked.
+    is always produced (it is small); ``cake_ops.gdn`` drops it unless asked. ``graph``:
+    the CUDA kernels' launches replayed from a CUDA graph (``cake_ops.graphs``; the
+    PyTorch path ignores it).
     """
     return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
 
@@ -147,6 +150,7 @@ def gdn_fwd_full(
     scale: float,
     use_qk_l2norm: bool,
     deterministic: bool,
+    graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``cake::gdn_fwd`` of the full save mode: (o, final_state, tapes), tapes uint8
     [``gdn_tapes_bytes``] on the CUDA path (the forward's tapes for ``cake::gdn_bwd``),
@@ -154,26 +158,34 @@ def gdn_fwd_full(
     return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
 
 
-def _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                          graph=False):
     o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                       deterministic)
     return o, final_state, q.new_empty(0, dtype=torch.uint8)  # no tapes: its backward recomputes
 
 
+def _launch(op: str, graph: bool, args: tuple):
+    """The CUDA extension's ``op`` on ``args``, as a graph replay with ``graph``."""
+    from .. import build
+
+    launch = getattr(build.load(), op)
+    return graphs.replay(op, launch, args) if graph else launch(*args)
+
+
 @gdn_fwd_full.register_kernel("cuda")
-def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                       graph=False):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                      deterministic)
-    from .. import build
-
-    return build.load().gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                     effective_deterministic(deterministic))
+    return _launch("gdn_fwd_full", graph, (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                           effective_deterministic(deterministic)))
 
 
-def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
     check_cu_seqlens_values(cu_seqlens, T)
@@ -184,7 +196,7 @@ def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
 
 
 @gdn_fwd.register_kernel("cuda")
-def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
@@ -192,10 +204,9 @@ def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2n
     deterministic = effective_deterministic(deterministic)
     if _output_discarded():
         return _unwritten_outputs(q, v, cu_seqlens)
-    from .. import build
-
     # The kernels' first stage checks cu_seqlens's values itself (csrc/gdn/plan.cu).
-    return build.load().gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+    return _launch("gdn_fwd", graph, (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                      deterministic))
 
 
 @torch.library.custom_op("cake::gdn_bwd", mutates_args=())
@@ -213,6 +224,7 @@ def gdn_bwd(
     use_qk_l2norm: bool,
     deterministic: bool,
     tapes: torch.Tensor | None = None,
+    graph: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked GDN backward: the forward's tapes (recomputed from the inputs in the light
     save mode; ``tapes`` from ``cake::gdn_fwd_full`` in the full one), dS walked back,
@@ -242,24 +254,22 @@ def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale
 
 @gdn_bwd.register_kernel("cuda")
 def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                  tapes=None):
+                  tapes=None, graph=False):
     _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
     if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                 deterministic)
     deterministic = effective_deterministic(deterministic)
-    from .. import build
-
     # Recomputes the forward's tapes with the forward's own plan, or takes the kept ones
     # (its first kernel checks cu_seqlens's values), then walks dS back and forms the
     # chunk-local gradients. An empty tapes tensor is a forward that ran the PyTorch path.
     kept = tapes if tapes is not None and tapes.numel() > 0 else None
-    return build.load().gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                deterministic, -1, -1, -1, kept)
+    return _launch("gdn_bwd", graph, (do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                      deterministic, -1, -1, -1, kept))
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic = inputs
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph = inputs
     # Light save mode: inputs only; the backward recomputes the chunk tensors and the walk.
     # Full save mode (gdn_fwd_full, a third output): the forward's tapes too.
     tapes = output[2] if len(output) == 3 else None
@@ -271,6 +281,7 @@ def _setup_context(ctx, inputs, output):
     # of host time at s16k_h8; the tapes' size in the full mode, 0.48 ms at s32k_h16).
     ctx.set_materialize_grads(False)
     ctx.args = (scale, use_qk_l2norm, deterministic)
+    ctx.graph = graph
 
 
 def _backward(ctx, do, dht, _dtapes=None):
@@ -278,9 +289,9 @@ def _backward(ctx, do, dht, _dtapes=None):
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.cake.gdn_bwd(
-        do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args, tapes
+        do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args, tapes, ctx.graph
     )
-    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -288,6 +299,7 @@ gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 SAVE_MODES = ("light", "full")
 RECOMPUTE_OUTPUT = ("auto", "always")
+GRAPH = ("off", "replay")
 
 _last_call: dict[str, str] = {}
 
@@ -314,6 +326,7 @@ def gdn(
     deterministic: bool = True,
     save_mode: str = "light",
     recompute_output: str = "auto",
+    graph: str = "off",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet (chunked, differentiable) over packed variable-length documents.
 
@@ -340,6 +353,11 @@ def gdn(
             output (``cake_ops.checkpointing``; ``gdn_diagnostics()`` says what the last
             call did and why). "always": launch the forward in every case. Gradients and
             saved bytes are the same either way.
+        graph: "off" (default) or "replay": on the CUDA kernels, the forward's and the
+            backward's launches replay from a CUDA graph per shape key (the first call of a
+            key runs eagerly, synchronizes once and captures; ``cake_ops.graphs``: at most
+            ``MAX_KEYS`` keys, each holding one call's memory). The bits are the eager
+            ones; a checkpoint recompute then always launches.
     Returns:
         (o in v's layout and dtype, final_state or None).
     """
@@ -351,11 +369,13 @@ def gdn(
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if recompute_output not in RECOMPUTE_OUTPUT:
         raise ValueError(f"recompute_output must be one of {RECOMPUTE_OUTPUT}, got {recompute_output!r}")
+    if graph not in GRAPH:
+        raise ValueError(f"graph must be one of {GRAPH}, got {graph!r}")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     check_scale(scale)
     args = (q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state, float(scale),
-            use_qk_l2norm, deterministic)
+            use_qk_l2norm, deterministic, graph == "replay")
     # A forward that autograd will not save for (no_grad, as reentrant checkpointing's first pass)
     # keeps no tapes in either mode.
     saves = torch.is_grad_enabled() and any(
@@ -367,6 +387,7 @@ def gdn(
         # The light mode's node saves q, k, v, g, beta, cu_seqlens and the initial state.
         why = ("save_mode='full': the forward writes the tapes it saves" if full else
                "recompute_output='always'" if recompute_output == "always" else
+               "graph='replay'" if graph == "replay" else
                checkpointing.recompute_output_proof((7 if initial_state is not None else 6) if saves else 0))
         _last_call.update(recompute_output="launched" if why else "skipped", why=why or "")
         skip = why is None

@@ -187,3 +187,17 @@ def test_compiled_checkpointed_step_launches_and_matches_eager(monkeypatch):
     got = _grads(compiled, leaves)
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_option_checked_and_recompute_launches_under_replay(device):
+    """graph="replay" is validated up front like every option; under a checkpoint it
+    launches the recompute (the issue's rule), with the gradients unchanged. On the CPU
+    the PyTorch path ignores it."""
+    leaves, cu = _inputs(device, False)
+    with pytest.raises(ValueError, match="graph must be one of"):
+        cake_ops.gdn(*leaves, cu, graph="always")
+    f = _region(cu, False, graph="replay")
+    got = _grads(lambda *x: checkpoint(f, *x, use_reentrant=False), leaves)
+    assert cake_ops.gdn_diagnostics() == {"recompute_output": "launched", "why": "graph='replay'"}
+    _bitwise(got, _grads(_region(cu, False), leaves))
