@@ -15,11 +15,11 @@ from ._meta import load_fake_kernels as _load_fake_kernels
 from .dispatch import pytorch_implementation
 from .fla import chunk_gated_delta_rule
 from .layers import GatedDeltaNet
-from .ops.gdn import gdn, gdn_diagnostics, gdn_saved_bytes
+from .ops.gdn import gdn, gdn_diagnostics, gdn_saved_bytes, gdn_workspace_bytes
 from .ops.short_conv import short_conv
 
 _load_fake_kernels()
 
-__all__ = ["gdn", "gdn_diagnostics", "gdn_saved_bytes", "short_conv", "chunk_gated_delta_rule", "GatedDeltaNet",
+__all__ = ["gdn", "gdn_diagnostics", "gdn_saved_bytes", "gdn_workspace_bytes", "short_conv", "chunk_gated_delta_rule", "GatedDeltaNet",
            "pytorch_implementation"]
 __version__ = "0.1.0"

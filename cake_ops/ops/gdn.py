@@ -138,6 +138,35 @@ def gdn_saved_bytes(
     return saved
 
 
+def gdn_workspace_bytes(
+    T: int,
+    N: int,
+    H: int,
+    HV: int,
+    *,
+    use_qk_l2norm: bool = False,
+    deterministic: bool = True,
+    save_mode: str = "light",
+    direction: str = "forward",
+) -> int:
+    """Bytes of the one workspace a ``gdn`` call's CUDA kernels allocate beside its
+    inputs and outputs, on the current CUDA device (the plan reads its SM count), for
+    the forward or the backward (``direction``) in the save mode's form: the call's
+    allocator peak is this plus its outputs', each rounded up to 512 bytes
+    (tests/cuda/test_gdn_byte_queries.py). Needs the CUDA extension (the PyTorch
+    implementation has no workspace of its own); a ValueError names a bad option."""
+    if save_mode not in SAVE_MODES:
+        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    from .. import build
+
+    if not build.available():
+        raise RuntimeError(f"gdn_workspace_bytes needs the CUDA kernels: {build.unavailable_reason()}")
+    return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, direction == "backward",
+                                            save_mode == "full")
+
+
 @torch.library.custom_op("cake::gdn_fwd_full", mutates_args=())
 def gdn_fwd_full(
     q: torch.Tensor,

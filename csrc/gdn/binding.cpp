@@ -722,6 +722,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   return {dq, dk, dv, dg, dbeta, dh0};
 }
 
+// The bytes of the one workspace a call allocates beside its inputs and outputs (the
+// plan's GdnPlan::ws; docs/kernels.md, "Workspaces"), for a gdn_fwd (tapes: gdn_fwd_full)
+// or gdn_bwd (tapes: given the full save mode's tapes) call of these shapes on the current
+// device, whose SM count the plan reads. The caller's allocator holds it rounded up to 512.
+int64_t gdn_workspace_bytes(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
+                            bool backward, bool tapes) {
+  constexpr const char* op = "gdn_workspace_bytes";
+  TORCH_CHECK(T >= 0 && N >= 1 && H >= 1 && HV >= H && HV % H == 0, op,
+              ": needs T >= 0, N >= 1 documents and HV a multiple of H >= 1, got T = ", T, ", N = ", N, ", H = ", H,
+              ", HV = ", HV);
+  int sm_count = 0;
+  const cudaError_t err =
+      cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device());
+  TORCH_CHECK(err == cudaSuccess, op, ": cannot read the SM count: ", cudaGetErrorString(err));
+  const GdnPlan plan = backward ? gdn_bwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, -1, -1, -1,
+                                                    tapes)
+                                : gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, -1, -1, tapes);
+  return plan.ws.bytes;
+}
+
 }  // namespace
 }  // namespace cake
 
@@ -756,6 +776,10 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
       "int value_splits=-1) -> (Tensor, Tensor, Tensor tapes)");
+  m.def(
+      "gdn_workspace_bytes(int T, int N, int H, int HV, bool use_qk_l2norm, bool deterministic, bool backward, "
+      "bool tapes) -> int",
+      &cake::gdn_workspace_bytes);
 }
 
 TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {

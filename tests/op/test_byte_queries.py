@@ -50,3 +50,13 @@ def test_saved_bytes_are_what_the_op_saves(device, save_mode, initial_state, use
 def test_saved_bytes_refuses_a_bad_mode():
     with pytest.raises(ValueError, match="save_mode"):
         cake_ops.gdn_saved_bytes(64, 1, 1, 1, save_mode="heavy")
+
+
+def test_workspace_bytes_refuses_bad_options():
+    with pytest.raises(ValueError, match="direction"):
+        cake_ops.gdn_workspace_bytes(64, 1, 1, 1, direction="sideways")
+    with pytest.raises(ValueError, match="save_mode"):
+        cake_ops.gdn_workspace_bytes(64, 1, 1, 1, save_mode="heavy")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="needs the CUDA kernels"):
+            cake_ops.gdn_workspace_bytes(64, 1, 1, 1)

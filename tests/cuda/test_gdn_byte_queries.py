@@ -1,0 +1,49 @@
+"""``cake_ops.gdn_workspace_bytes`` against the allocator: a CUDA-kernel forward's or
+backward's peak above what was allocated before it is the workspace plus the outputs,
+each rounded up to 512 bytes, for light and full save modes, with and without the L2
+norm, deterministic and not, one head slice and two."""
+
+import pytest
+import torch
+
+import cake_ops
+from cake_ops.testing import make_gdn_inputs
+
+
+def _r(n: int) -> int:
+    return -(-n // 512) * 512
+
+
+def _peak_above(fn):
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out = fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before, out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths, H, G", [([4096, 300, 1, 64], 2, 3), ([11000, 12000, 9768], 16, 3)],
+                         ids=["small", "s32k_h16"])
+@pytest.mark.parametrize("save_mode", ["light", "full"])
+@pytest.mark.parametrize("use_qk_l2norm, deterministic", [(True, True), (False, False)])
+def test_workspace_bytes_are_the_allocator_peak(lengths, H, G, save_mode, use_qk_l2norm, deterministic):
+    from cake_ops import build
+
+    ops = build.load()
+    T, N, HV = sum(lengths), len(lengths), G * H
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=1)
+    args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], None, 128**-0.5, use_qk_l2norm,
+            deterministic)
+    fwd = ops.gdn_fwd_full if save_mode == "full" else ops.gdn_fwd
+    peak, out = _peak_above(lambda: fwd(*args))
+    ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
+                                      save_mode=save_mode)
+    assert peak == _r(ws) + sum(_r(t.numel() * t.element_size()) for t in out)
+    tapes = out[2] if save_mode == "full" else None
+    do = torch.randn_like(inp["v"])
+    peak, grads = _peak_above(lambda: ops.gdn_bwd(do, None, *args, -1, -1, -1, tapes))
+    ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
+                                      save_mode=save_mode, direction="backward")
+    assert peak == _r(ws) + sum(_r(t.numel() * t.element_size()) for t in grads)
