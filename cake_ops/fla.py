@@ -3,9 +3,9 @@
 
     from cake_ops import chunk_gated_delta_rule   # instead of fla.ops.gated_delta_rule
 
-Differences: ``deterministic`` (default True), ``save_mode`` (default ``"light"``) and
-``recompute_output`` (default ``"auto"``) and ``graph`` (default ``"off"``; see
-``cake_ops.gdn``) are extra keywords; ``cu_seqlens_cpu``
+Differences: ``deterministic`` (default True), ``save_mode`` (default ``"light"``),
+``recompute_output`` (default ``"auto"``), ``reuse_recompute_tapes`` (default None) and
+``graph`` (default ``"off"``; see ``cake_ops.gdn``) are extra keywords; ``cu_seqlens_cpu``
 is accepted and ignored (cake never reads ``cu_seqlens`` on the host); the deprecated
 ``head_first=True`` layout is refused.
 """
@@ -33,6 +33,7 @@ def chunk_gated_delta_rule(
     deterministic: bool = True,
     save_mode: str = "light",
     recompute_output: str = "auto",
+    reuse_recompute_tapes: str | bool | None = None,
     graph: str = "off",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; with ``cu_seqlens``
@@ -50,5 +51,6 @@ def chunk_gated_delta_rule(
         deterministic=deterministic,
         save_mode=save_mode,
         recompute_output=recompute_output,
+        reuse_recompute_tapes=reuse_recompute_tapes,
         graph=graph,
     )

@@ -31,17 +31,23 @@ from ..varlen import to_packed
 
 _warned_nondeterministic = False
 
-# Set by gdn() around the one op call of a checkpoint recompute whose output torch
-# discards (cake_ops.checkpointing); the op's kernels then leave o and the final state
-# unwritten and launch nothing. Consumed by the first kernel that reads it.
-_discarded = threading.local()
+# Set by gdn() around its one op call, each consumed by the first reader:
+# ``discarded``, a checkpoint recompute whose output torch discards (cake_ops.checkpointing):
+# the op's kernels leave o and the final state unwritten and launch nothing;
+# ``stand_in``, a checkpoint run in which the call keeps no tapes while the region's other
+# run may (reuse_recompute_tapes): the autograd saves a stand-in in the tapes' slot.
+_call = threading.local()
+
+
+def _consume(flag: str) -> bool:
+    if getattr(_call, flag, False):
+        setattr(_call, flag, False)
+        return True
+    return False
 
 
 def _output_discarded() -> bool:
-    if getattr(_discarded, "on", False):
-        _discarded.on = False
-        return True
-    return False
+    return _consume("discarded")
 
 
 def _unwritten_outputs(q, v, cu_seqlens):
@@ -297,14 +303,28 @@ def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, u
                                       deterministic, -1, -1, -1, kept))
 
 
+def _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm):
+    """A tensor of the tapes' shape, dtype and device (what ``cake::gdn_fwd_full`` would
+    return for these inputs) over one byte (stride 0), which the backward reads as "no
+    tapes": a checkpoint checks that the two runs of a region save alike."""
+    cuda = _cuda_kernels(q, k, v, g, beta, cu_seqlens, scale)
+    n = gdn_tapes_bytes(q.shape[0], cu_seqlens.shape[0] - 1, q.shape[1], v.shape[1], use_qk_l2norm) if cuda else 0
+    return q.new_empty(min(n, 1), dtype=torch.uint8).expand(n)
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph = inputs
     # Light save mode: inputs only; the backward recomputes the chunk tensors and the walk.
-    # Full save mode (gdn_fwd_full, a third output): the forward's tapes too.
-    tapes = output[2] if len(output) == 3 else None
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, tapes)
-    if tapes is not None:
+    # Full save mode (gdn_fwd_full, a third output): the forward's tapes too. In a
+    # checkpoint run that keeps no tapes while the region's other run may: a stand-in.
+    if len(output) == 3:
+        tapes = output[2]
         ctx.mark_non_differentiable(tapes)
+    elif _consume("stand_in"):
+        tapes = _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
+    else:
+        tapes = None
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, tapes)
     # An unused o or final state arrives as None: autograd would otherwise fill a zero
     # gradient for it (the final state's in almost every call: a kernel and about 60 us
     # of host time at s16k_h8; the tapes' size in the full mode, 0.48 ms at s32k_h16).
@@ -318,7 +338,8 @@ def _backward(ctx, do, dht, _dtapes=None):
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.cake.gdn_bwd(
-        do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args, tapes, ctx.graph
+        do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args,
+        tapes if checkpointing.kept(tapes) else None, ctx.graph
     )
     return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None
 
@@ -328,6 +349,7 @@ gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 SAVE_MODES = ("light", "full")
 RECOMPUTE_OUTPUT = ("auto", "always")
+REUSE_RECOMPUTE_TAPES = ("auto", True, False)
 GRAPH = ("off", "replay")
 
 _last_call: dict[str, str] = {}
@@ -336,8 +358,75 @@ _last_call: dict[str, str] = {}
 def gdn_diagnostics() -> dict[str, str]:
     """What the last ``gdn`` call of this process decided: ``recompute_output`` is
     ``"skipped"`` (a checkpoint recompute whose output torch discards: nothing was
-    launched) or ``"launched"``, and ``why`` says why it was launched."""
+    launched) or ``"launched"``, and ``why`` says why it was launched; ``tapes`` is
+    ``"kept"`` (its backward reads the tapes this forward wrote, unless a later GDN call
+    of the same checkpoint recompute keeps its own: ``reuse_recompute_tapes``) or
+    ``"recomputed"`` (its backward recomputes them), and ``tapes_why`` says why."""
     return dict(_last_call)
+
+
+def _cuda_kernels(q, k, v, g, beta, cu_seqlens, scale) -> bool:
+    return q.is_cuda and dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is None
+
+
+def _kept_tapes_peak(q, v, cu_seqlens, use_qk_l2norm: bool, deterministic: bool) -> tuple[int, int]:
+    """Bytes a checkpointed call's recompute and backward hold at their peak beside the
+    outputs: (keeping the recompute's tapes, recomputing them in the backward), from the
+    plans' workspaces (``gdn_workspace_bytes``) and the tapes' size."""
+    T, H, HV, N = q.shape[0], q.shape[1], v.shape[1], cu_seqlens.shape[0] - 1
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    with torch.cuda.device(q.device):
+        ws = {(mode, d): gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
+                                             save_mode=mode, direction=d)
+              for mode in SAVE_MODES for d in ("forward", "backward")}
+    kept = gdn_tapes_bytes(T, N, H, HV, use_qk_l2norm) + max(ws["full", "forward"], ws["full", "backward"])
+    return kept, max(ws["light", "forward"], ws["light", "backward"])
+
+
+def _checkpoint_plan(base_saves: int, full_mode: bool, recompute_output: str, reuse, replay: bool, peak):
+    """How a call runs given the checkpoint run it is in (cake_ops.checkpointing):
+    (run cake::gdn_fwd_full, output discarded, save a tapes stand-in, the recompute Pass
+    whose tapes it keeps or None, the diagnostics record). ``base_saves``: the tensors
+    the light node saves (0 without an autograd node); ``peak``: ``_kept_tapes_peak`` of
+    the call, or None off the CUDA kernels (which keep no tapes)."""
+    if base_saves == 0:
+        why = "the call saves no tensors for backward (no input requires grad, or grad mode is off)"
+        return False, False, False, None, dict(recompute_output="launched", why=why, tapes="recomputed",
+                                                tapes_why=why)
+    p = checkpointing.checkpoint_pass()
+    # Where either run of a region may keep tapes, both save a tensor in the tapes' slot
+    # (torch pairs the two runs' saves by position): the tapes, or a stand-in.
+    slot = p.kind != "" and (full_mode or reuse is not False)
+    saves = base_saves + (1 if slot or full_mode else 0)
+    if p.kind == "":
+        return full_mode, False, False, None, dict(
+            recompute_output="launched", why=p.why, tapes="kept" if full_mode else "recomputed",
+            tapes_why="save_mode='full'" if full_mode else "save_mode='light'")
+    if p.kind == "first":  # torch drops what this run saves: keep nothing
+        return False, False, slot, None, dict(recompute_output="launched", why=p.why, tapes="recomputed",
+                                              tapes_why="the first forward of a checkpointed region (torch drops its saves)")
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    closing = checkpointing.closing_proof(p, saves)
+    why = ("recompute_output='always'" if recompute_output == "always" else
+           "graph='replay'" if replay else
+           "the current CUDA stream is capturing a graph" if capturing else closing)
+    if why is None:
+        return False, True, slot, None, dict(recompute_output="skipped", why="", tapes="recomputed",
+                                             tapes_why="the recompute launches nothing")
+    keep_why = ("reuse_recompute_tapes=False" if not slot else
+                "the current CUDA stream is capturing a graph" if capturing else
+                "the PyTorch implementation keeps no tapes" if peak is None else None)
+    if keep_why is None and not full_mode and reuse == "auto":
+        if closing is not None:
+            keep_why = f"reuse_recompute_tapes='auto' and {closing}: kept tapes would live through its backward"
+        else:
+            kept_bytes, recomputed_bytes = peak()
+            if kept_bytes > recomputed_bytes:
+                keep_why = (f"reuse_recompute_tapes='auto': kept tapes would raise the peak "
+                            f"({kept_bytes} > {recomputed_bytes} bytes)")
+    keep = keep_why is None
+    return keep, False, slot and not keep, p if keep else None, dict(
+        recompute_output="launched", why=why, tapes="kept" if keep else "recomputed", tapes_why=keep_why or "")
 
 
 def gdn(
@@ -355,6 +444,7 @@ def gdn(
     deterministic: bool = True,
     save_mode: str = "light",
     recompute_output: str = "auto",
+    reuse_recompute_tapes: str | bool | None = None,
     graph: str = "off",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Gated DeltaNet (chunked, differentiable) over packed variable-length documents.
@@ -382,6 +472,18 @@ def gdn(
             output (``cake_ops.checkpointing``; ``gdn_diagnostics()`` says what the last
             call did and why). "always": launch the forward in every case. Gradients and
             saved bytes are the same either way.
+        reuse_recompute_tapes: in a non-reentrant checkpoint's recompute that launches
+            the forward, whether it also writes the tapes for the backward to read instead
+            of recomputing them (bitwise the same gradients; it keeps what save_mode="full"
+            keeps, in the recompute only: the region's first run keeps nothing in either
+            save mode). True: keep them, in the region's last GDN call only (a later call
+            of the same recompute frees an earlier one's, so one kept set is live).
+            "auto" (the default): keep them only where the call closes the region (its
+            backward runs first) and keeping peaks no higher than recomputing (from the
+            plans' workspaces); so with recompute_output="auto", which launches nothing
+            there, it keeps none. False: never. save_mode="full" keeps them in every
+            recompute that launches and refuses False; graph="replay" refuses True and
+            "auto", and its default is False.
         graph: "off" (default) or "replay": on the CUDA kernels, the forward's and the
             backward's launches replay from a CUDA graph per shape key (the first call of a
             key runs eagerly, synchronizes once and captures; ``cake_ops.graphs``: at most
@@ -400,6 +502,16 @@ def gdn(
         raise ValueError(f"recompute_output must be one of {RECOMPUTE_OUTPUT}, got {recompute_output!r}")
     if graph not in GRAPH:
         raise ValueError(f"graph must be one of {GRAPH}, got {graph!r}")
+    if reuse_recompute_tapes is None:
+        reuse_recompute_tapes = False if graph == "replay" else "auto"
+    elif not (reuse_recompute_tapes is True or reuse_recompute_tapes is False or reuse_recompute_tapes == "auto"):
+        raise ValueError(f"reuse_recompute_tapes must be one of {REUSE_RECOMPUTE_TAPES}, got {reuse_recompute_tapes!r}")
+    elif graph == "replay" and reuse_recompute_tapes is not False:
+        raise ValueError(f"reuse_recompute_tapes={reuse_recompute_tapes!r} cannot be used with graph='replay' (a "
+                         "replayed recompute's tapes live in its graph's static pool): pass False or leave it unset")
+    elif save_mode == "full" and reuse_recompute_tapes is False:
+        raise ValueError("reuse_recompute_tapes=False contradicts save_mode='full' (which keeps the tapes of every "
+                         "forward that launches, a checkpoint recompute's too): pass 'auto', True, or leave it unset")
     if scale is None:
         scale = q.shape[-1] ** -0.5
     check_scale(scale)
@@ -410,26 +522,28 @@ def gdn(
     saves = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (q, packed["k"], packed["v"], packed["g"], packed["beta"],
                                                    initial_state))
-    full = save_mode == "full" and saves
-    skip = False
+    full, discarded, stand_in, keeper = save_mode == "full" and saves, False, False, None
     if not torch.compiler.is_compiling():  # traced, there is no frame to read (and no Python state to keep)
-        # The light mode's node saves q, k, v, g, beta, cu_seqlens and the initial state.
-        why = ("save_mode='full': the forward writes the tapes it saves" if full else
-               "recompute_output='always'" if recompute_output == "always" else
-               "graph='replay'" if graph == "replay" else
-               checkpointing.recompute_output_proof((7 if initial_state is not None else 6) if saves else 0))
-        _last_call.update(recompute_output="launched" if why else "skipped", why=why or "")
-        skip = why is None
-    if skip:
-        _discarded.on = True
+        cuda = _cuda_kernels(*args[:6], args[7])
+        peak = (lambda: _kept_tapes_peak(q, packed["v"], cu_seqlens, use_qk_l2norm, deterministic)) if cuda else None
+        # The light node saves q, k, v, g, beta, cu_seqlens and the initial state.
+        base_saves = (7 if initial_state is not None else 6) if saves else 0
+        full, discarded, stand_in, keeper, record = _checkpoint_plan(
+            base_saves, save_mode == "full", recompute_output, reuse_recompute_tapes, graph == "replay", peak)
+        _last_call.clear()
+        _last_call.update(record)
+    if keeper is not None:
+        checkpointing.release_kept_tapes(keeper)
+    _call.discarded, _call.stand_in = discarded, stand_in
     try:
         if full:
-            o, final_state, _ = torch.ops.cake.gdn_fwd_full(*args)
+            o, final_state, tapes = torch.ops.cake.gdn_fwd_full(*args)
+            if keeper is not None:
+                checkpointing.record_kept_tapes(keeper, tapes)
         else:
             o, final_state = torch.ops.cake.gdn_fwd(*args)
     finally:
-        if skip:
-            _discarded.on = False
+        _call.discarded = _call.stand_in = False
     if batch is not None:
         o = o.unflatten(0, batch)
     return o, (final_state if output_final_state else None)

@@ -12,6 +12,7 @@ from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 import cake_ops
 from cake_ops import build, checkpointing
+from cake_ops.ops import gdn as gdn_ops
 from cake_ops.pytorch import gdn as pytorch_gdn
 from cake_ops.testing import make_gdn_inputs
 
@@ -29,7 +30,9 @@ def _inputs(device, initial_state):
 
 @contextlib.contextmanager
 def counting_forwards(monkeypatch):
-    """Yields a list whose length is the number of GDN forwards computed so far."""
+    """Yields a list whose length is the number of GDN forwards computed so far: "pytorch",
+    or the CUDA extension's op ("gdn_fwd", "gdn_fwd_full"); and on the CUDA extension, per
+    backward, "bwd kept" or "bwd recomputed" (whether it was given tapes)."""
     calls = []
     real_pytorch = pytorch_gdn.gdn_fwd
 
@@ -47,17 +50,27 @@ def counting_forwards(monkeypatch):
 
             def __getattr__(self, name):
                 fn = getattr(self._ops, name)
+                if name == "gdn_bwd":
+                    def counted_bwd(*a):
+                        calls.append("bwd " + ("recomputed" if a[-1] is None else "kept"))
+                        return fn(*a)
+
+                    return counted_bwd
                 if name not in ("gdn_fwd", "gdn_fwd_full"):
                     return fn
 
                 def counted(*a, **kw):
-                    calls.append("cuda")
+                    calls.append(name)
                     return fn(*a, **kw)
 
                 return counted
 
         monkeypatch.setattr(build, "load", lambda: Counted(real_load()))
     yield calls
+
+
+def forwards(calls):
+    return [c for c in calls if not c.startswith("bwd")]
 
 
 def _region(cu, initial_state, later_saver=None, **options):
@@ -96,11 +109,12 @@ def test_recompute_skipped_where_gdn_closes_the_region(device, initial_state, mo
     with counting_forwards(monkeypatch) as calls:
         always = _grads(lambda *x: checkpoint(_region(cu, initial_state, recompute_output="always"), *x,
                                               use_reentrant=False), leaves)
-        assert len(calls) == 2 and cake_ops.gdn_diagnostics()["recompute_output"] == "launched"
+        assert len(forwards(calls)) == 2 and cake_ops.gdn_diagnostics()["recompute_output"] == "launched"
         calls.clear()
         auto = _grads(lambda *x: checkpoint(_region(cu, initial_state), *x, use_reentrant=False), leaves)
-        assert len(calls) == 1, calls  # the first forward only
-        assert cake_ops.gdn_diagnostics() == {"recompute_output": "skipped", "why": ""}
+        assert len(forwards(calls)) == 1, calls  # the first forward only
+        assert cake_ops.gdn_diagnostics() == {"recompute_output": "skipped", "why": "", "tapes": "recomputed",
+                                              "tapes_why": "the recompute launches nothing"}
     _bitwise(auto, always)
     _bitwise(auto, plain)
 
@@ -109,7 +123,7 @@ def _launched(fn, leaves, monkeypatch, reason):
     with counting_forwards(monkeypatch) as calls:
         grads = _grads(fn, leaves)
     diag = cake_ops.gdn_diagnostics()
-    assert len(calls) == 2 and diag["recompute_output"] == "launched", (calls, diag)
+    assert len(forwards(calls)) == 2 and diag["recompute_output"] == "launched", (calls, diag)
     assert reason in diag["why"], diag
     return grads
 
@@ -132,15 +146,12 @@ def test_recompute_launched_in_the_other_cases(device, monkeypatch):
         got = _launched(lambda *x: checkpoint(f, *x, use_reentrant=False), leaves, monkeypatch, "early stop")
     _bitwise(got, plain)
     got = _launched(lambda *x: checkpoint(f, *x, use_reentrant=True), leaves, monkeypatch,
-                    "not inside a non-reentrant checkpoint recompute")
+                    "not inside a non-reentrant checkpoint")
     _bitwise(got, plain)
     monkeypatch.setattr(checkpointing, "VERIFIED_TORCH", ("0.1",))
     got = _launched(lambda *x: checkpoint(f, *x, use_reentrant=False), leaves, monkeypatch, "not a release")
     _bitwise(got, plain)
     monkeypatch.undo()
-    got = _launched(lambda *x: checkpoint(_region(cu, False, save_mode="full"), *x, use_reentrant=False), leaves,
-                    monkeypatch, "save_mode='full'")
-    _bitwise(got, plain)
 
 
 def test_this_torch_is_a_verified_release():
@@ -153,7 +164,7 @@ def test_this_torch_is_a_verified_release():
 def test_recompute_output_diagnostics_outside_a_recompute(device):
     leaves, cu = _inputs(device, False)
     cake_ops.gdn(*leaves, cu)
-    assert "not inside a non-reentrant checkpoint recompute" in cake_ops.gdn_diagnostics()["why"]
+    assert "not inside a non-reentrant checkpoint" in cake_ops.gdn_diagnostics()["why"]
     checkpoint(_region(cu, False), *leaves, use_reentrant=False)
     assert "first forward" in cake_ops.gdn_diagnostics()["why"]
     with torch.no_grad():
@@ -199,5 +210,145 @@ def test_graph_option_checked_and_recompute_launches_under_replay(device):
         cake_ops.gdn(*leaves, cu, graph="always")
     f = _region(cu, False, graph="replay")
     got = _grads(lambda *x: checkpoint(f, *x, use_reentrant=False), leaves)
-    assert cake_ops.gdn_diagnostics() == {"recompute_output": "launched", "why": "graph='replay'"}
+    assert cake_ops.gdn_diagnostics() == {"recompute_output": "launched", "why": "graph='replay'",
+                                          "tapes": "recomputed", "tapes_why": "reuse_recompute_tapes=False"}
     _bitwise(got, _grads(_region(cu, False), leaves))
+
+
+# reuse_recompute_tapes: the recompute writes the tapes for the backward (CUDA kernels only:
+# the PyTorch implementation keeps none, and says so).
+
+def _later_saver(device, dtype):
+    w = torch.randn(128 if device == "cuda" else 32, device=device, dtype=dtype).requires_grad_(True)
+    return lambda o: o * w  # saves o and w
+
+
+def _checkpointed(f):
+    return lambda *x: checkpoint(f, *x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("later", [False, True])
+@pytest.mark.parametrize("reuse", ["auto", True, False])
+def test_recompute_tapes_kept_or_recomputed(device, later, reuse, monkeypatch):
+    """Where the recompute launches (recompute_output="always", or a later saver), True
+    keeps its tapes for the backward; "auto" keeps them only where the call closes the
+    region and keeping peaks no higher (the rule of _kept_tapes_peak); False never.
+    Gradients bitwise the plain call's in every case."""
+    leaves, cu = _inputs(device, True)
+    saver = _later_saver(device, leaves[2].dtype) if later else None
+    plain = _grads(_region(cu, True, later_saver=saver), leaves)
+    f = _region(cu, True, later_saver=saver, recompute_output="always", reuse_recompute_tapes=reuse)
+    with counting_forwards(monkeypatch) as calls:
+        got = _grads(_checkpointed(f), leaves)
+    diag = cake_ops.gdn_diagnostics()
+    _bitwise(got, plain)
+    if device == "cpu":
+        assert calls == ["pytorch", "pytorch"] and diag["tapes"] == "recomputed", (calls, diag)
+        assert diag["tapes_why"] == ("reuse_recompute_tapes=False" if reuse is False else
+                                     "the PyTorch implementation keeps no tapes")
+        return
+    if reuse == "auto" and not later:
+        kept_bytes, recomputed_bytes = gdn_ops._kept_tapes_peak(leaves[0], leaves[2], cu, True, True)
+        keep = kept_bytes <= recomputed_bytes
+    else:
+        keep = reuse is True
+    assert calls == (["gdn_fwd", "gdn_fwd_full", "bwd kept"] if keep else ["gdn_fwd", "gdn_fwd", "bwd recomputed"]), \
+        (calls, diag)
+    assert diag["tapes"] == ("kept" if keep else "recomputed"), diag
+    if later and reuse == "auto":
+        assert "kept tapes would live through its backward" in diag["tapes_why"], diag
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_one_kept_tapes_set_per_region(device, monkeypatch):
+    """With True and two GDN calls in one region, the later call frees the earlier one's
+    kept tapes: its backward (first) reads its own, the earlier one recomputes."""
+    leaves, cu = _inputs(device, False)
+
+    def two(recompute_output="auto", reuse=None):
+        def f(q, k, v, g, beta):
+            o1, _ = cake_ops.gdn(q, k, v, g, beta, cu, use_qk_l2norm=True, recompute_output=recompute_output,
+                                 reuse_recompute_tapes=reuse)
+            o2, _ = cake_ops.gdn(q, k, o1, g, beta, cu, use_qk_l2norm=True, recompute_output=recompute_output,
+                                 reuse_recompute_tapes=reuse)
+            return o2, o1.sum(dim=(0, 1)).float()
+
+        return f
+
+    plain = _grads(two(), leaves)
+    with counting_forwards(monkeypatch) as calls:
+        got = _grads(_checkpointed(two("always", True)), leaves)
+    _bitwise(got, plain)
+    if device == "cuda":
+        assert calls == ["gdn_fwd", "gdn_fwd", "gdn_fwd_full", "gdn_fwd_full", "bwd kept", "bwd recomputed"], calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_full_save_mode_under_a_checkpoint(device, monkeypatch):
+    """save_mode="full" in a checkpoint: the first run keeps nothing (torch drops its
+    saves: it runs the light forward), a closing recompute launches nothing
+    (recompute_output="auto"), a launching one keeps its tapes."""
+    leaves, cu = _inputs(device, False)
+    plain = _grads(_region(cu, False), leaves)
+    cuda = device == "cuda"
+    saver = _later_saver(device, leaves[2].dtype)
+    plain_later = _grads(_region(cu, False, later_saver=saver), leaves)
+    with counting_forwards(monkeypatch) as calls:
+        got = _grads(_checkpointed(_region(cu, False, save_mode="full")), leaves)
+        _bitwise(got, plain)
+        assert calls == (["gdn_fwd", "bwd recomputed"] if cuda else ["pytorch"]), calls
+        assert cake_ops.gdn_diagnostics()["recompute_output"] == "skipped"
+        calls.clear()
+        got = _grads(_checkpointed(_region(cu, False, later_saver=saver, save_mode="full")), leaves)
+        _bitwise(got, plain_later)
+        assert calls == (["gdn_fwd", "gdn_fwd_full", "bwd kept"] if cuda else ["pytorch", "pytorch"]), calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_reuse_recompute_tapes_refused_before_any_compute(device, monkeypatch):
+    leaves, cu = _inputs(device, False)
+    cases = [(dict(reuse_recompute_tapes="yes"), "reuse_recompute_tapes must be one of"),
+             (dict(reuse_recompute_tapes=1), "reuse_recompute_tapes must be one of"),
+             (dict(reuse_recompute_tapes=True, graph="replay"), "cannot be used with graph='replay'"),
+             (dict(reuse_recompute_tapes="auto", graph="replay"), "cannot be used with graph='replay'"),
+             (dict(reuse_recompute_tapes=False, save_mode="full"), "contradicts save_mode='full'")]
+    with counting_forwards(monkeypatch) as calls:
+        for options, message in cases:
+            with pytest.raises(ValueError, match=message):
+                cake_ops.gdn(*leaves, cu, **options)
+        with pytest.raises(ValueError, match="reuse_recompute_tapes"):
+            cake_ops.chunk_gated_delta_rule(*(x[None] for x in leaves), cu_seqlens=cu, reuse_recompute_tapes=2)
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match="cannot be used with graph='replay'"):  # Dynamo may wrap it
+            torch.compile(lambda *x: cake_ops.gdn(*x, cu, graph="replay", reuse_recompute_tapes=True)[0],
+                          fullgraph=True, backend="aot_eager")(*leaves)
+    assert calls == []
+
+
+@pytest.mark.gpu
+def test_kept_tapes_peak_no_higher_where_gdn_closes_the_region():
+    """The issue's rule for "auto": with the GDN call closing the region, the backward's
+    allocator peak with "auto" is no higher than with False (recompute_output="always",
+    so the recompute launches), at a shape whose light backward runs in one head slice
+    and one where it runs in two."""
+    for lengths, H in (([3000, 1000, 96], 4), ([40000], 16)):
+        inp = make_gdn_inputs(lengths, H, 3 * H, 128, 128, device="cuda", seed=5)
+        leaves = [inp[n].detach().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+        cu = inp["cu_seqlens"]
+        peaks, grads = {}, {}
+        for reuse in ("auto", False):
+            f = _region(cu, False, recompute_output="always", reuse_recompute_tapes=reuse)
+            out, ht = _checkpointed(f)(*leaves)
+            gen = torch.Generator(device="cuda").manual_seed(1)
+            do = torch.randn(out.shape, device="cuda", generator=gen).to(out)
+            dht = torch.randn(ht.shape, device="cuda", generator=gen)
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            grads[reuse] = torch.autograd.grad((out, ht), leaves, (do, dht))
+            torch.cuda.synchronize()
+            peaks[reuse] = torch.cuda.max_memory_allocated() - base
+            del out, ht
+        assert peaks["auto"] <= peaks[False], (lengths, H, peaks)
+        _bitwise(grads["auto"], grads[False])
