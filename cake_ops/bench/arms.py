@@ -2,8 +2,11 @@
 
 - Arms: ``cake`` (deterministic), ``cake-nd`` (``deterministic=False``), ``cake-full``
   (deterministic, ``save_mode="full"``: the forward keeps its tapes for the backward),
-  ``cake-always`` (``recompute_output="always"``: under ``ckpt`` the recompute launches the
-  forward that ``cake``'s default skips; the same as ``cake`` in the other ops),
+  ``cake-always`` (``recompute_output="always"``, ``reuse_recompute_tapes=False``: under
+  ``ckpt`` the recompute launches the forward that ``cake``'s default skips, and the
+  backward recomputes the tapes; the same as ``cake`` in the other ops), ``cake-keep``
+  (``"always"`` and ``True``: the recompute launches the forward and keeps its tapes for
+  the backward),
   ``cake-replay`` (``graph="replay"``: each op's launches replayed from a CUDA graph), ``fla``
   (fla-core, Triton path: ``FLA_FLASH_QLA=0``), ``flashqla`` (flash-qla, K = V = 128),
   ``torch`` (this project's PyTorch chunked path, the whole call under
@@ -41,7 +44,7 @@ from torch.utils.checkpoint import checkpoint
 from .shapes import Inputs, Shape
 
 OPS = ("fwd", "fwdbwd", "ckpt")
-ARMS = ("cake", "cake-nd", "cake-full", "cake-always", "cake-replay", "fla", "flashqla", "torch", "cake-aa")  # the canonical (palindrome) order
+ARMS = ("cake", "cake-nd", "cake-full", "cake-always", "cake-keep", "cake-replay", "fla", "flashqla", "torch", "cake-aa")  # the canonical (palindrome) order
 FRESH_CU_SEQLENS = 8  # copies cycled with --cu-seqlens fresh: FLA's and FlashQLA's tensor caches hold 4
 SLOW_ARM_CALLS = 2  # calls per appearance for arms marked slow (the torch arm)
 
@@ -76,14 +79,14 @@ Loaded = tuple[ArmFn, ContextFactory | None]
 
 
 def _load_cake(deterministic: bool, save_mode: str = "light", recompute_output: str = "auto",
-               graph: str = "off") -> Loaded:
+               reuse_recompute_tapes=None, graph: str = "off") -> Loaded:
     import cake_ops
 
     gdn = cake_ops.gdn
 
     def fn(q, k, v, g, beta, cu):
         o, _ = gdn(q, k, v, g, beta, cu, use_qk_l2norm=True, deterministic=deterministic, save_mode=save_mode,
-                   recompute_output=recompute_output, graph=graph)
+                   recompute_output=recompute_output, reuse_recompute_tapes=reuse_recompute_tapes, graph=graph)
         return o
 
     return fn, None
@@ -134,7 +137,8 @@ def load_arms(names: Sequence[str], device: torch.device) -> list[Arm]:
         "cake": (False, False, lambda: _load_cake(True)),
         "cake-nd": (False, False, lambda: _load_cake(False)),
         "cake-full": (False, False, lambda: _load_cake(True, "full")),
-        "cake-always": (False, False, lambda: _load_cake(True, recompute_output="always")),
+        "cake-always": (False, False, lambda: _load_cake(True, recompute_output="always", reuse_recompute_tapes=False)),
+        "cake-keep": (False, False, lambda: _load_cake(True, recompute_output="always", reuse_recompute_tapes=True)),
         "cake-replay": (False, False, lambda: _load_cake(True, graph="replay")),
         "cake-aa": (False, False, lambda: _load_cake(True)),
         "torch": (False, True, _load_torch),

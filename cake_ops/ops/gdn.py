@@ -158,7 +158,7 @@ def gdn_workspace_bytes(
     """Bytes of the one workspace a ``gdn`` call's CUDA kernels allocate beside its
     inputs and outputs, on the current CUDA device (the plan reads its SM count), for
     the forward or the backward (``direction``) in the save mode's form: the call's
-    allocator peak is this plus its outputs', each rounded up to 512 bytes
+    allocator peak of requested bytes is this plus its outputs' bytes
     (tests/cuda/test_gdn_byte_queries.py). Needs the CUDA extension (the PyTorch
     implementation has no workspace of its own); a ValueError names a bad option."""
     if save_mode not in SAVE_MODES:
