@@ -58,9 +58,9 @@ class _Replay:
         self.outputs = out if isinstance(out, tuple) else (out,)
 
     def __call__(self, args: Sequence) -> tuple:
-        for s, a in zip(self.static, args):
-            if isinstance(a, torch.Tensor):
-                s.copy_(a)
+        # One host call for all the copies: at the small shapes the host sets the pace.
+        pairs = [(s, a) for s, a in zip(self.static, args) if isinstance(a, torch.Tensor)]
+        torch._foreach_copy_([s for s, _ in pairs], [a for _, a in pairs])
         self.graph.replay()
         return tuple(o.clone() for o in self.outputs)
 
