@@ -9,7 +9,8 @@ few enough (--calls 100) that the launch queue never fills and blocks the host o
 GPU. Layers, --op fwd: cake_ops.gdn with grad-requiring inputs (what a training step and
 the benchmark's fwd op run), torch.ops.cake.gdn_fwd under no_grad (the custom op without
 autograd), the raw extension op torch.ops.cake_cuda.gdn_fwd. --op fwdbwd: the
-benchmark's fwdbwd step (cake_ops.gdn, then torch.autograd.grad of o with do), the two
+benchmark's fwdbwd step (cake_ops.gdn, then torch.autograd.grad of o with do), the same
+step with graph="replay" (each op's launches replayed from its CUDA graph), the two
 custom ops cake::gdn_fwd and cake::gdn_bwd under no_grad, and the two raw extension ops.
 Shape: s16k_h8 (4 x 4096 tokens, (H, HV) = (8, 16)), deterministic, in-op L2 norm.
 --profile adds a cProfile of the first layer; --ops-table the torch profiler's table of
@@ -71,6 +72,11 @@ def main() -> None:
             o = cake_ops.gdn(q, k, v, g, beta, cu, use_qk_l2norm=True)[0]
             return torch.autograd.grad(o, leaves, do)
 
+    def fwdbwd_step_replay():
+        with torch.enable_grad():
+            o = cake_ops.gdn(q, k, v, g, beta, cu, use_qk_l2norm=True, graph="replay")[0]
+            return torch.autograd.grad(o, leaves, do)
+
     def custom_ops_fwdbwd():
         with torch.no_grad():
             torch.ops.cake.gdn_fwd(qd, kd, vd, gd, bd, cu, None, scale, True, True)
@@ -82,7 +88,8 @@ def main() -> None:
 
     layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad),
                ("cake_cuda.gdn_fwd", extension_op)) if args.op == "fwd" else
-              (("fwdbwd step", fwdbwd_step), ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd),
+              (("fwdbwd step", fwdbwd_step), ("fwdbwd step, graph='replay'", fwdbwd_step_replay),
+               ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd),
                ("cake_cuda fwd + bwd", extension_fwdbwd)))
     print(f"{args.op} at {shape.name}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
     for name, fn in layers:
