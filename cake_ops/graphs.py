@@ -35,9 +35,9 @@ def _key(op: str, args: Sequence) -> tuple:
     parts: list = [op]
     for a in args:
         if isinstance(a, torch.Tensor):
-            parts.append(("T", tuple(a.shape), a.stride(), a.dtype, a.device))
+            parts.append((a.shape, a.stride(), a.dtype, a.device))
         else:
-            parts.append(("S", a))
+            parts.append(a)
     return tuple(parts)
 
 
