@@ -1,0 +1,11 @@
+"""Context parallel ("KCP"): GDN and the short convolution over the ranks of a process
+group, a packed global batch split by a plan (``build_context_kcp``) into per-rank
+fragments. Compositions of the ``cake::`` ops and functional collectives
+(``collectives``), so autograd gives the backward. docs/kcp.md has the math and the
+layouts."""
+
+from .context import LAYOUTS, Fragment, KcpContext, build_context_kcp
+from .gdn import gdn_kcp
+from .short_conv import short_conv_kcp
+
+__all__ = ["LAYOUTS", "Fragment", "KcpContext", "build_context_kcp", "gdn_kcp", "short_conv_kcp"]

@@ -1,0 +1,266 @@
+"""The KCP plan: which rank holds which fragment of which document, made once per batch
+outside the hot path (``build_context_kcp``), and the tables every rank derives from it.
+
+A rank holds some global token ranges (the layout, below). Cut at document boundaries
+they are its *fragments*, each a contiguous piece of one document; the rank's local
+tensors are its fragments' tokens in global order, and its local ``cu_seqlens`` has one
+entry per fragment, so the single-GPU ops run on them unchanged. A rank that holds no
+token holds one empty fragment (a document of 0 tokens) so that its ops still run.
+
+Layouts, for W ranks and T tokens (docs/kcp.md):
+- ``"C"``: contiguous equal split, rank r holds tokens [r T / W, (r + 1) T / W);
+- ``"Z"``: zigzag halves, the tokens cut into 2W equal pieces, rank r holding pieces r
+  and 2W - 1 - r;
+- ``"D"``: per-document zigzag, every document cut so, rank r holding its pieces r and
+  2W - 1 - r of every document.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import collectives
+
+LAYOUTS = ("C", "Z", "D")
+
+
+@dataclasses.dataclass(frozen=True)
+class Fragment:
+    """Global tokens [start, end) of document ``doc`` (-1: a rank's empty stand-in)."""
+
+    doc: int
+    start: int
+    end: int
+
+    @property
+    def tokens(self) -> int:
+        return self.end - self.start
+
+
+def _held_ranges(cu: Sequence[int], world: int, layout: str) -> list[list[tuple[int, int]]]:
+    """Per rank, the global token ranges it holds, in token order."""
+    T = cu[-1]
+    if layout == "C":
+        return [[(r * T // world, (r + 1) * T // world)] for r in range(world)]
+    if layout == "Z":
+        cuts = [i * T // (2 * world) for i in range(2 * world + 1)]
+        return [[(cuts[r], cuts[r + 1]), (cuts[2 * world - 1 - r], cuts[2 * world - r])] for r in range(world)]
+    held: list[list[tuple[int, int]]] = [[] for _ in range(world)]
+    for d in range(len(cu) - 1):
+        L = cu[d + 1] - cu[d]
+        cuts = [cu[d] + i * L // (2 * world) for i in range(2 * world + 1)]
+        for r in range(world):
+            held[r] += [(cuts[r], cuts[r + 1]), (cuts[2 * world - 1 - r], cuts[2 * world - r])]
+    return [sorted(h) for h in held]
+
+
+def _fragments(cu: Sequence[int], ranges: list[tuple[int, int]]) -> tuple[Fragment, ...]:
+    merged: list[tuple[int, int]] = []
+    for a, b in ranges:  # adjacent ranges (Z's two middle pieces, D's) are one
+        if merged and merged[-1][1] == a:
+            merged[-1] = (merged[-1][0], b)
+        elif a < b:
+            merged.append((a, b))
+    out = []
+    for a, b in merged:
+        for d in range(len(cu) - 1):
+            s, e = max(a, cu[d]), min(b, cu[d + 1])
+            if s < e:
+                out.append(Fragment(d, s, e))
+    return tuple(out) if out else (Fragment(-1, 0, 0),)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class KcpContext:
+    """The plan all ranks agree on (``build_context_kcp``). ``fragments[r]``: rank r's
+    fragments in token order; ``slots``: the most fragments a rank holds (the exchanged
+    summaries are padded to it); ``cu_seqlens``: this rank's local ``cu_seqlens`` (int32,
+    on ``device``)."""
+
+    group_name: str
+    world: int
+    rank: int
+    layout: str
+    conv_width: int
+    cu_seqlens_global: tuple[int, ...]
+    fragments: tuple[tuple[Fragment, ...], ...]
+    slots: int
+    cu_seqlens: torch.Tensor
+    _tables: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def documents(self) -> int:
+        return len(self.cu_seqlens_global) - 1
+
+    @property
+    def local_tokens(self) -> int:
+        return sum(f.tokens for f in self.fragments[self.rank])
+
+    @functools.cached_property
+    def doc_fragments(self) -> tuple[tuple[int, ...], ...]:
+        """Per document, its fragments as flat slots (rank * slots + slot), in token order."""
+        per_doc: list[list[tuple[int, int]]] = [[] for _ in range(self.documents)]
+        for r, frags in enumerate(self.fragments):
+            for s, f in enumerate(frags):
+                if f.doc >= 0:
+                    per_doc[f.doc].append((f.start, r * self.slots + s))
+        return tuple(tuple(flat for _, flat in sorted(p)) for p in per_doc)
+
+    def chain_tables(self, device: torch.device) -> ChainTables:
+        """The chain's index tensors on ``device`` (made at the first call per device)."""
+        key = ("chain", device)
+        if key not in self._tables:
+            self._tables[key] = _chain_tables(self, device)
+        return self._tables[key]
+
+    def halo_tables(self, device: torch.device) -> HaloTables:
+        """The short convolution's halo index tensors on ``device`` (``conv_width``)."""
+        key = ("halo", device)
+        if key not in self._tables:
+            self._tables[key] = _halo_tables(self, device)
+        return self._tables[key]
+
+    @functools.cached_property
+    def _local_rows(self) -> torch.Tensor:
+        """Global token index of each local row (int64, on the CPU)."""
+        rows = [torch.arange(f.start, f.end) for f in self.fragments[self.rank]]
+        return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
+
+    def shard(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a global packed tensor ``x`` [T, ...] (differentiable)."""
+        if x.shape[0] != self.cu_seqlens_global[-1]:
+            raise ValueError(f"x must have the global token count {self.cu_seqlens_global[-1]} rows, got {x.shape[0]}")
+        return x.index_select(0, self._local_rows.to(x.device))
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """The global packed tensor [T, ...] from every rank's local rows ``x`` (a
+        collective: every rank calls it; differentiable)."""
+        if x.shape[0] != self.local_tokens:
+            raise ValueError(f"x must have this rank's {self.local_tokens} local rows, got {x.shape[0]}")
+        most = max(sum(f.tokens for f in frags) for frags in self.fragments)
+        padded = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])]) if most > x.shape[0] else x
+        every = collectives.all_gather(padded, self)  # [world * most, ...]
+        order = torch.empty(self.cu_seqlens_global[-1], dtype=torch.int64)
+        for r, frags in enumerate(self.fragments):
+            base = r * most
+            for f in frags:
+                order[f.start:f.end] = torch.arange(base, base + f.tokens)
+                base += f.tokens
+        return every.index_select(0, order.to(x.device))
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainTables:
+    """``steps[p]``: (the documents with a p-th fragment, those fragments' flat slots),
+    int64; ``local_starts``: per local fragment, its row among the states entering the
+    steps' fragments, concatenated in step order (the row after them: a zero state)."""
+
+    steps: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    local_starts: torch.Tensor
+
+
+def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
+    per_doc = ctx.doc_fragments
+    steps, row_of, rows = [], {}, 0
+    for p in range(max((len(f) for f in per_doc), default=0)):
+        docs = [d for d in range(ctx.documents) if len(per_doc[d]) > p]
+        flats = [per_doc[d][p] for d in docs]
+        for i, flat in enumerate(flats):
+            row_of[flat] = rows + i
+        rows += len(docs)
+        steps.append((torch.tensor(docs, dtype=torch.int64, device=device),
+                      torch.tensor(flats, dtype=torch.int64, device=device)))
+    local = [row_of.get(ctx.rank * ctx.slots + s, rows) for s in range(len(ctx.fragments[ctx.rank]))]
+    return ChainTables(tuple(steps), torch.tensor(local, dtype=torch.int64, device=device))
+
+
+@dataclasses.dataclass(frozen=True)
+class HaloTables:
+    """``tails``: per local slot (``slots`` of them), the local rows of its fragment's
+    last W - 1 tokens, oldest first (``local_tokens``: a zero row); ``halo``: per local
+    fragment, the W - 1 inputs before it, oldest first, as rows of [every rank's tails
+    (W * slots * (W - 1) rows), the initial conv states (N * (W - 1) rows, [N, W - 1, D]
+    order), a zero row]; ``halo_zero``: the same without the initial conv states (their
+    rows and the zero row after the tails)."""
+
+    tails: torch.Tensor
+    halo: torch.Tensor
+    halo_zero: torch.Tensor
+
+
+def _halo_tables(ctx: KcpContext, device: torch.device) -> HaloTables:
+    W1, cu = ctx.conv_width - 1, ctx.cu_seqlens_global
+    pool = ctx.world * ctx.slots * W1
+    zero = pool + ctx.documents * W1
+    tails, start = [], 0
+    frags = ctx.fragments[ctx.rank]
+    for s in range(ctx.slots):
+        f = frags[s] if s < len(frags) else None
+        for o in range(W1):
+            row = start + (f.tokens - W1 + o if f else 0)
+            tails.append(row if f is not None and row >= start else ctx.local_tokens)
+        start += f.tokens if f else 0
+    holder = {}  # global token -> (flat slot, its fragment's end)
+    for r, fr in enumerate(ctx.fragments):
+        for s, f in enumerate(fr):
+            for t in range(max(f.start, f.end - W1), f.end):
+                holder[t] = (r * ctx.slots + s, f.end)
+    halo, halo_zero = [], []
+    for f in frags:
+        for j in range(W1):
+            t = f.start - W1 + j
+            if f.doc < 0:
+                halo.append(zero)
+                halo_zero.append(pool)
+            elif t < cu[f.doc]:
+                halo.append(pool + f.doc * W1 + W1 - (cu[f.doc] - t))
+                halo_zero.append(pool)
+            else:
+                flat, end = holder[t]
+                halo.append(flat * W1 + W1 - (end - t))
+                halo_zero.append(halo[-1])
+    as_index = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    return HaloTables(as_index(tails), as_index(halo), as_index(halo_zero))
+
+
+def build_context_kcp(
+    cu_seqlens_global: torch.Tensor | Sequence[int],
+    group: dist.ProcessGroup | None = None,
+    *,
+    layout: str = "C",
+    conv_width: int = 4,
+    device: torch.device | str | None = None,
+) -> KcpContext:
+    """Plans a packed global batch over the ranks of ``group`` (default: the world).
+
+    ``cu_seqlens_global``: [N+1] document boundaries of the global batch, read once on
+    the host here (a list, or a tensor: a CUDA tensor costs one sync, outside the hot
+    path). ``layout``: "C", "Z" or "D" (module docstring). ``conv_width``: the short
+    convolution's W that ``short_conv_kcp`` takes with this context. ``device``: where
+    the local ``cu_seqlens`` goes (default: the current CUDA device if the group's
+    backend is NCCL, else the CPU). Every rank must call it with the same arguments."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not 1 <= conv_width <= 4:
+        raise ValueError(f"conv_width must be in 1..4, got {conv_width}")
+    cu = [int(c) for c in (cu_seqlens_global.tolist() if isinstance(cu_seqlens_global, torch.Tensor)
+                           else cu_seqlens_global)]
+    if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens_global must start at 0 and never decrease, with N+1 >= 2 entries, got {cu}")
+    group = group if group is not None else dist.group.WORLD
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    fragments = tuple(_fragments(cu, held) for held in _held_ranges(cu, world, layout))
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
+                  else torch.device("cpu"))
+    local = [0]
+    for f in fragments[rank]:
+        local.append(local[-1] + f.tokens)
+    return KcpContext(group_name=group.group_name, world=world, rank=rank, layout=layout, conv_width=conv_width,
+                      cu_seqlens_global=tuple(cu), fragments=fragments, slots=max(len(f) for f in fragments),
+                      cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device))

@@ -1,0 +1,112 @@
+"""KCP on the CPU with gloo (2, 3 and 4 spawned ranks): ``gdn_kcp`` and ``short_conv_kcp``
+give, on each rank's rows, the single-process ``cake_ops.gdn`` / ``cake_ops.short_conv``
+outputs and every gradient (fp32, so the only difference is the chain's order of
+operations), within the accuracy contract of the FP64 reference, bitwise the same on a
+repeat; layouts C, Z and D; documents inside one rank, crossing one or several rank
+boundaries, shorter than the ranks, empty; a rank holding no token; initial states; GVA."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import cake_ops
+from cake_ops.kcp import LAYOUTS, build_context_kcp, gdn_kcp, short_conv_kcp
+from cake_ops.reference import gdn_reference
+from cake_ops.testing import accuracy, make_gdn_inputs
+
+from distributed import run_ranks
+
+# (lengths, H, HV): one long document over every rank, a mix with short and empty ones, GVA.
+CASES = [([300], 1, 1), ([130, 3, 0, 97, 1, 64], 2, 4), ([5, 200, 70], 1, 3)]
+K = V = 32
+
+
+def _close(name, got, want):
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"{name}: {m}")
+
+
+def _sum_over_ranks(x):
+    x = x.clone()
+    dist.all_reduce(x)
+    return x
+
+
+def _gdn_case(rank, world, layout, lengths, H, HV, seed):
+    inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=seed)
+    names = ("q", "k", "v", "g", "beta", "initial_state")
+    cu = inp["cu_seqlens"]
+    gen = torch.Generator().manual_seed(seed + 100)
+    do = torch.randn(inp["v"].shape, generator=gen)
+    dht = torch.randn(inp["initial_state"].shape, generator=gen)
+    leaves = [inp[n].clone().requires_grad_(True) for n in names]
+    o_ref, ht_ref = cake_ops.gdn(*leaves[:5], cu, initial_state=leaves[5], output_final_state=True,
+                                 use_qk_l2norm=True)
+    refs = [o_ref, ht_ref, *torch.autograd.grad((o_ref, ht_ref), leaves, (do, dht))]
+    o64, ht64 = gdn_reference(*(inp[n].double() for n in names[:5]), cu, initial_state=inp["initial_state"].double(),
+                              use_qk_l2norm=True)
+
+    ctx = build_context_kcp(cu, layout=layout)
+
+    def run():
+        local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in names[:5]]
+        h0 = inp["initial_state"].clone().requires_grad_(True)
+        o, ht = gdn_kcp(*local, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        grads = torch.autograd.grad((o, ht), local + [h0], (ctx.shard(do), dht if rank == 0 else torch.zeros_like(dht)))
+        return [o, ht, *grads]
+
+    got = run()
+    where = f"layout {layout}, lengths {lengths}, rank {rank}/{world}"
+    for name, g_, r_ in zip(("o", "final_state", "dq", "dk", "dv", "dg", "dbeta"), got, refs):
+        _close(f"{name} ({where})", g_, ctx.shard(r_) if name not in ("final_state",) else r_)
+    _close(f"dh0 ({where})", _sum_over_ranks(got[7]), refs[7])
+    assert accuracy(ctx.gather(got[0].detach()), o64).ok, where
+    assert accuracy(got[1].detach(), ht64).ok, where
+    for a, b in zip(got, run()):
+        assert torch.equal(a, b), f"not bitwise on a repeat ({where})"
+
+
+def _short_conv_case(rank, world, layout, lengths, seed):
+    D, W = 6, 4
+    gen = torch.Generator().manual_seed(seed)
+    T, N = sum(lengths), len(lengths)
+    cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
+    x, w, b = torch.randn(T, D, generator=gen), torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
+    h0, dy = torch.randn(N, D, W - 1, generator=gen), torch.randn(T, D, generator=gen)
+    for init in (None, h0):
+        leaves = [t.clone().requires_grad_(True) for t in ((x, w, b) if init is None else (x, w, b, init))]
+        y_ref = cake_ops.short_conv(*leaves[:3], cu, initial_state=leaves[3] if init is not None else None,
+                                    activation="silu")
+        refs = [y_ref, *torch.autograd.grad(y_ref, leaves, dy)]
+        ctx = build_context_kcp(cu, layout=layout, conv_width=W)
+        xl = ctx.shard(x).clone().requires_grad_(True)
+        rep = [t.clone().requires_grad_(True) for t in leaves[1:]]
+        y = short_conv_kcp(xl, rep[0], rep[1], ctx, initial_state=rep[2] if init is not None else None,
+                           activation="silu")
+        grads = torch.autograd.grad(y, [xl, *rep], ctx.shard(dy))
+        where = f"layout {layout}, lengths {lengths}, initial state {init is not None}, rank {rank}/{world}"
+        _close(f"y ({where})", y, ctx.shard(refs[0]))
+        _close(f"dx ({where})", grads[0], ctx.shard(refs[1]))
+        for name, g_, r_ in zip(("dweight", "dbias", "dinitial_state"), grads[1:], refs[2:]):
+            _close(f"{name} ({where})", _sum_over_ranks(g_), r_)
+
+
+def _all_cases(rank, world):
+    for layout in LAYOUTS:
+        for i, (lengths, H, HV) in enumerate(CASES):
+            _gdn_case(rank, world, layout, lengths, H, HV, seed=10 * world + i)
+        _short_conv_case(rank, world, layout, [40, 1, 2, 0, 37, 3], seed=world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_kcp_matches_single_process(world):
+    run_ranks(_all_cases, world, timeout=600)
+
+
+def _tiny(rank, world):
+    # Fewer tokens than ranks: some ranks hold nothing.
+    _gdn_case(rank, world, "C", [2], 1, 2, seed=7)
+    _short_conv_case(rank, world, "C", [2], seed=7)
+
+
+def test_kcp_ranks_without_tokens():
+    run_ranks(_tiny, 4, timeout=300)
