@@ -106,3 +106,49 @@ def make_gdn_inputs(
         initial_state=randn(len(lengths), HV, K, V) * 0.5 if initial_state else None,
     )
     return {n: (t.to(device) if t is not None else None) for n, t in out.items()}
+
+
+def run_rank_threads(fn, world: int, *args, timeout: float = 300.0) -> None:
+    """``fn(rank, world, *args)`` on ``world`` ranks as threads of this process, on
+    torch's threaded process group (real data exchange between the threads; the ranks
+    share this process's devices, so several ranks run on one GPU). An exception on any
+    rank fails the caller with that rank's traceback."""
+    import threading
+    import time
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.multi_threaded_pg import (
+        ProcessLocalGroup, _install_threaded_pg, _uninstall_threaded_pg)
+
+    errors: list[tuple[int, BaseException]] = []
+    world_data = _install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    store = dist.HashStore()
+
+    def worker(rank):
+        dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+        try:
+            fn(rank, world, *args)
+        except BaseException as e:  # noqa: BLE001 - reported below with its rank
+            errors.append((rank, e))
+            ProcessLocalGroup.exception_handle(e)  # wakes the ranks waiting in a collective
+        finally:
+            if dist.distributed_c10d._world is world_data:
+                dist.destroy_process_group()
+
+    threads = [threading.Thread(target=worker, args=(r,), daemon=True) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + timeout
+        for t in threads:
+            t.join(max(0.0, deadline - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            raise TimeoutError(f"{world} rank threads did not finish within {timeout} s")
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        _uninstall_threaded_pg()
+        ProcessLocalGroup.reset()
+    if errors:
+        rank, e = min(errors, key=lambda x: x[0])
+        raise AssertionError(f"rank {rank} of {world} failed: {type(e).__name__}: {e}") from e

@@ -1,5 +1,6 @@
 """Runs a test body on several ranks: spawned CPU processes with the gloo backend, a
-FileStore rendezvous (no ports), and a deadline after which every rank is killed."""
+FileStore rendezvous (no ports), and a deadline after which every rank is killed. (Ranks
+as threads of one process: ``cake_ops.testing.run_rank_threads``.)"""
 
 from __future__ import annotations
 
@@ -35,3 +36,4 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
                 for p in ctx.processes:
                     p.kill()
                 raise TimeoutError(f"{world} ranks did not finish within {timeout} s")
+

@@ -13,6 +13,10 @@ import torch
 import torch.distributed._functional_collectives as funcol
 
 
+# torch 2.13 names it all_gather_single (all_gather_tensor, deprecated there, is 2.11's).
+_all_gather_single = getattr(funcol, "all_gather_single", None) or funcol.all_gather_tensor
+
+
 def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
@@ -21,7 +25,7 @@ class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group_name: str, world: int):
         ctx.group_name, ctx.world = group_name, world
-        return _wait(funcol.all_gather_tensor(x.contiguous(), 0, group_name))
+        return _wait(_all_gather_single(x.contiguous(), 0, group_name))
 
     @staticmethod
     def backward(ctx, grad):

@@ -261,6 +261,10 @@ def build_context_kcp(
     local = [0]
     for f in fragments[rank]:
         local.append(local[-1] + f.tokens)
-    return KcpContext(group_name=group.group_name, world=world, rank=rank, layout=layout, conv_width=conv_width,
-                      cu_seqlens_global=tuple(cu), fragments=fragments, slots=max(len(f) for f in fragments),
-                      cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device))
+    ctx = KcpContext(group_name=group.group_name, world=world, rank=rank, layout=layout, conv_width=conv_width,
+                     cu_seqlens_global=tuple(cu), fragments=fragments, slots=max(len(f) for f in fragments),
+                     cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device))
+    # Made here, so that no op call (traced, or captured in a CUDA graph) copies them in.
+    ctx.chain_tables(ctx.cu_seqlens.device)
+    ctx.halo_tables(ctx.cu_seqlens.device)
+    return ctx

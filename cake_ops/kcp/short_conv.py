@@ -67,6 +67,11 @@ def short_conv_kcp(
     if initial_state is not None:
         pool.append(initial_state.float().transpose(1, 2).reshape(-1, D))
     pool.append(zero)
-    index = tables.halo if initial_state is not None else tables.halo_zero
-    halo = torch.cat(pool).index_select(0, index).view(-1, W1, D).transpose(1, 2)
+    index = (tables.halo if initial_state is not None else tables.halo_zero).view(-1, W1)
+    # One gather per halo position: a pool row (a short fragment's token, an initial
+    # state's) can sit in several fragments' halos, but at one position of one halo at
+    # most, so each gather's backward adds into distinct rows (on CUDA, atomics that
+    # never collide: the bits do not depend on their order).
+    pool = torch.cat(pool)
+    halo = torch.stack([pool.index_select(0, index[:, j]) for j in range(W1)], 2)  # [F, D, W-1]
     return short_conv(x, weight, bias, ctx.cu_seqlens, initial_state=halo, activation=activation)

@@ -66,13 +66,18 @@ def _gdn_case(rank, world, layout, lengths, H, HV, seed):
 
 
 def _short_conv_case(rank, world, layout, lengths, seed):
-    D, W = 6, 4
+    for W in (4, 2, 1):
+        _short_conv_width(rank, world, layout, lengths, seed, W)
+
+
+def _short_conv_width(rank, world, layout, lengths, seed, W):
+    D = 6
     gen = torch.Generator().manual_seed(seed)
     T, N = sum(lengths), len(lengths)
     cu = torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32)
     x, w, b = torch.randn(T, D, generator=gen), torch.randn(D, W, generator=gen), torch.randn(D, generator=gen)
     h0, dy = torch.randn(N, D, W - 1, generator=gen), torch.randn(T, D, generator=gen)
-    for init in (None, h0):
+    for init in ((None, h0) if W > 1 else (None,)):
         leaves = [t.clone().requires_grad_(True) for t in ((x, w, b) if init is None else (x, w, b, init))]
         y_ref = cake_ops.short_conv(*leaves[:3], cu, initial_state=leaves[3] if init is not None else None,
                                     activation="silu")
@@ -83,7 +88,7 @@ def _short_conv_case(rank, world, layout, lengths, seed):
         y = short_conv_kcp(xl, rep[0], rep[1], ctx, initial_state=rep[2] if init is not None else None,
                            activation="silu")
         grads = torch.autograd.grad(y, [xl, *rep], ctx.shard(dy))
-        where = f"layout {layout}, lengths {lengths}, initial state {init is not None}, rank {rank}/{world}"
+        where = f"layout {layout}, W {W}, lengths {lengths}, initial state {init is not None}, rank {rank}/{world}"
         _close(f"y ({where})", y, ctx.shard(refs[0]))
         _close(f"dx ({where})", grads[0], ctx.shard(refs[1]))
         for name, g_, r_ in zip(("dweight", "dbias", "dinitial_state"), grads[1:], refs[2:]):
@@ -110,3 +115,48 @@ def _tiny(rank, world):
 
 def test_kcp_ranks_without_tokens():
     run_ranks(_tiny, 4, timeout=300)
+
+
+def _traced_and_checkpointed(rank, world):
+    """torch.compile(fullgraph=True) of a KCP GDN + short conv forward, and the same under
+    a non-reentrant checkpoint: outputs and gradients bitwise the eager ones."""
+    lengths, H, HV, D = [90, 7, 60], 1, 2, 2 * K
+    inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=3)
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="Z")
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(D, 4, generator=gen)
+    x_global = torch.randn(sum(lengths), D, generator=gen)
+
+    def layer(x, g, beta, h0, w):
+        y = short_conv_kcp(x, w, None, ctx, activation="silu")
+        q, k = y[:, :K].unsqueeze(1), y[:, K:].unsqueeze(1)
+        v = torch.cat([y[:, :K], y[:, K:]], 1).view(-1, HV, V)
+        o, ht = gdn_kcp(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        return o, ht
+
+    def step(fn):
+        leaves = [ctx.shard(x_global), ctx.shard(inp["g"]), ctx.shard(inp["beta"]), inp["initial_state"], w]
+        leaves = [t.clone().requires_grad_(True) for t in leaves]
+        o, ht = fn(*leaves)
+        do = torch.ones_like(o) * 0.1
+        return [o, ht, *torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht) * (rank == 0)))]
+
+    eager = step(layer)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    checkpointed = step(lambda *x: torch.utils.checkpoint.checkpoint(layer, *x, use_reentrant=False))
+    for name, got in (("compiled", compiled), ("checkpointed", checkpointed)):
+        for i, (a, b) in enumerate(zip(got, eager)):
+            assert torch.equal(a, b), f"{name} output {i} differs from eager (rank {rank})"
+
+
+def test_kcp_traces_and_checkpoints():
+    run_ranks(_traced_and_checkpointed, 2, timeout=600)
+
+
+def test_kcp_on_rank_threads():
+    """The same checks with the ranks as threads of one process (the harness the GPU
+    tests use to run several ranks on one GPU)."""
+    from cake_ops.testing import run_rank_threads
+
+    run_rank_threads(_gdn_case, 3, "D", [130, 3, 0, 97], 2, 4, 5, timeout=300)

@@ -1,0 +1,67 @@
+"""The KCP plan without communication: every layout's fragments tile the global tokens
+exactly once, each inside one document, in token order per rank; option errors name
+the argument (a one-rank gloo group in this process)."""
+
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from cake_ops.kcp import LAYOUTS, build_context_kcp, gdn_kcp, short_conv_kcp
+from cake_ops.kcp.context import _fragments, _held_ranges
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_fragments_tile_the_tokens(layout, world):
+    rng = random.Random(world)
+    for _ in range(20):
+        lengths = [rng.choice([0, 1, 2, 5, 63, 64, 65, 300]) for _ in range(rng.randint(1, 6))]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        seen = []
+        for r, held in enumerate(_held_ranges(cu, world, layout)):
+            frags = _fragments(cu, held)
+            assert [f.start for f in frags] == sorted(f.start for f in frags)
+            for f in frags:
+                if f.doc < 0:
+                    assert f.tokens == 0 and len(frags) == 1
+                    continue
+                assert cu[f.doc] <= f.start < f.end <= cu[f.doc + 1], (layout, cu, f)
+                seen += range(f.start, f.end)
+        assert sorted(seen) == list(range(cu[-1])), (layout, world, cu)
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_kcp_errors_name_the_argument(one_rank_group):
+    with pytest.raises(ValueError, match="layout must be one of"):
+        build_context_kcp([0, 10], layout="X")
+    with pytest.raises(ValueError, match="conv_width"):
+        build_context_kcp([0, 10], conv_width=5)
+    with pytest.raises(ValueError, match="cu_seqlens_global"):
+        build_context_kcp([0, 10, 5])
+    ctx = build_context_kcp([0, 6, 10], conv_width=3)
+    q = torch.randn(10, 1, 8)
+    v, g, b = torch.randn(10, 1, 8), -torch.rand(10, 1), torch.rand(10, 1)
+    with pytest.raises(ValueError, match="q must hold this rank's 10 tokens"):
+        gdn_kcp(q[:9], q[:9], v[:9], g[:9], b[:9], ctx)
+    with pytest.raises(TypeError, match="ctx must be a KcpContext"):
+        gdn_kcp(q, q, v, g, b, None)
+    with pytest.raises(ValueError, match="initial_state must have the context's 2 documents"):
+        gdn_kcp(q, q, v, g, b, ctx, initial_state=torch.zeros(3, 1, 8, 8))
+    with pytest.raises(ValueError, match="save_mode"):
+        gdn_kcp(q, q, v, g, b, ctx, save_mode="some")
+    with pytest.raises(ValueError, match="conv_width W = 3"):
+        short_conv_kcp(torch.randn(10, 4), torch.randn(4, 4), None, ctx)
+    with pytest.raises(ValueError, match="initial_state must have shape"):
+        short_conv_kcp(torch.randn(10, 4), torch.randn(4, 3), None, ctx, initial_state=torch.zeros(2, 4, 3))
+    with pytest.raises(ValueError, match="x must have this rank's 10 local rows"):
+        ctx.gather(torch.randn(9, 4))
