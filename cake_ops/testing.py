@@ -138,7 +138,7 @@ def run_rank_threads(fn, world: int, *args, timeout: float = 300.0) -> None:
                     dist.destroy_process_group()
                 except AttributeError as e:
                     # torch 2.11's destroy_process_group reads a field (comms) that its own
-                    # threaded world does not have; the group is gone by then.
+                    # threaded world lacks; _uninstall_threaded_pg below drops that world anyway.
                     if "comms" not in str(e):
                         raise
 

@@ -21,23 +21,35 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
+def gather(x: torch.Tensor, ctx) -> torch.Tensor:
+    """Every rank's ``x`` (the same shape on each), concatenated in rank order along dim 0
+    (not differentiable)."""
+    return _wait(_all_gather_single(x.contiguous(), 0, ctx.group_name))
+
+
+def gather_adjoint(grad: torch.Tensor, ctx) -> torch.Tensor:
+    """The adjoint of ``gather``: this rank's block of every rank's ``grad``, summed in
+    rank order."""
+    blocks = _wait(funcol.all_to_all_single(grad.contiguous(), None, None, ctx.group_name))
+    blocks = blocks.view(ctx.world, -1, *grad.shape[1:])
+    total = blocks[0]
+    for r in range(1, ctx.world):  # rank order, whatever the backend
+        total = total + blocks[r]
+    return total
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, group_name: str, world: int):
-        ctx.group_name, ctx.world = group_name, world
-        return _wait(_all_gather_single(x.contiguous(), 0, group_name))
+    def forward(ctx, x, kcp):
+        ctx.kcp = kcp
+        return gather(x, kcp)
 
     @staticmethod
     def backward(ctx, grad):
-        blocks = _wait(funcol.all_to_all_single(grad.contiguous(), None, None, ctx.group_name))
-        blocks = blocks.view(ctx.world, -1, *grad.shape[1:])
-        total = blocks[0]
-        for r in range(1, ctx.world):  # rank order, whatever the backend
-            total = total + blocks[r]
-        return total, None, None
+        return gather_adjoint(grad, ctx.kcp), None
 
 
 def all_gather(x: torch.Tensor, ctx) -> torch.Tensor:
-    """Every rank's ``x`` (the same shape on each), concatenated in rank order along dim
-    0; its gradient is summed over the ranks in rank order (module docstring)."""
-    return _AllGather.apply(x, ctx.group_name, ctx.world)
+    """``gather`` with its adjoint as the backward (module docstring). Every rank's
+    backward must reach it (a collective)."""
+    return _AllGather.apply(x, ctx)

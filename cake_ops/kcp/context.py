@@ -102,14 +102,32 @@ class KcpContext:
         return sum(f.tokens for f in self.fragments[self.rank])
 
     @functools.cached_property
-    def doc_fragments(self) -> tuple[tuple[int, ...], ...]:
-        """Per document, its fragments as flat slots (rank * slots + slot), in token order."""
-        per_doc: list[list[tuple[int, int]]] = [[] for _ in range(self.documents)]
+    def doc_fragments(self) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per document, its fragments as (rank, slot), in token order."""
+        per_doc: list[list[tuple[int, int, int]]] = [[] for _ in range(self.documents)]
         for r, frags in enumerate(self.fragments):
             for s, f in enumerate(frags):
                 if f.doc >= 0:
-                    per_doc[f.doc].append((f.start, r * self.slots + s))
-        return tuple(tuple(flat for _, flat in sorted(p)) for p in per_doc)
+                    per_doc[f.doc].append((f.start, r, s))
+        return tuple(tuple((r, s) for _, r, s in sorted(p)) for p in per_doc)
+
+    @functools.cached_property
+    def source_slots(self) -> int:
+        """The most source fragments (followed by another of their document) a rank holds."""
+        count = [0] * self.world
+        for frags in self.doc_fragments:
+            for r, _ in frags[:-1]:
+                count[r] += 1
+        return max(count)
+
+    @functools.cached_property
+    def last_slots(self) -> int:
+        """The most document-last fragments a rank holds."""
+        count = [0] * self.world
+        for frags in self.doc_fragments:
+            if frags:
+                count[frags[-1][0]] += 1
+        return max(count)
 
     def chain_tables(self, device: torch.device) -> ChainTables:
         """The chain's index tensors on ``device`` (made at the first call per device)."""
@@ -156,27 +174,62 @@ class KcpContext:
 
 @dataclasses.dataclass(frozen=True)
 class ChainTables:
-    """``steps[p]``: (the documents with a p-th fragment, those fragments' flat slots),
-    int64; ``local_starts``: per local fragment, its row among the states entering the
-    steps' fragments, concatenated in step order (the row after them: a zero state)."""
+    """Index tensors (int64) of ``gdn_kcp``'s exchange and chain.
 
+    ``source_rows``, ``source_cu_seqlens``: this rank's source fragments (those followed
+    by another fragment of their document: their summaries are exchanged) as a packed
+    sub-batch of its rows; ``steps[p]``: (the documents with a p-th source, those
+    sources' flat slots rank * source_slots + j in the gathered summaries);
+    ``local_starts``: per local fragment, its start state's row among [the N initial
+    states, the states the steps produce in step order, a zero state]; ``last_slots``:
+    this rank's document-last fragments (their final states are exchanged);
+    ``final_rows``: per document, its final state's row among [every rank's gathered
+    last-fragment final states (W * last_slots), the N initial states]."""
+
+    source_rows: torch.Tensor
+    source_cu_seqlens: torch.Tensor
     steps: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     local_starts: torch.Tensor
+    last_slots: torch.Tensor
+    final_rows: torch.Tensor
 
 
 def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
-    per_doc = ctx.doc_fragments
-    steps, row_of, rows = [], {}, 0
-    for p in range(max((len(f) for f in per_doc), default=0)):
-        docs = [d for d in range(ctx.documents) if len(per_doc[d]) > p]
-        flats = [per_doc[d][p] for d in docs]
-        for i, flat in enumerate(flats):
-            row_of[flat] = rows + i
+    per_doc = ctx.doc_fragments  # (rank, slot) per fragment, in token order
+    source_index = {}  # (rank, slot) -> flat slot among the gathered source summaries
+    last_index = {}  # (rank, slot) -> flat slot among the gathered final states
+    for r in range(ctx.world):
+        sources = [rs for frags in per_doc for rs in frags[:-1] if rs[0] == r]
+        lasts = [frags[-1] for frags in per_doc if frags and frags[-1][0] == r]
+        source_index.update({rs: r * ctx.source_slots + j for j, rs in enumerate(sorted(sources))})
+        last_index.update({rs: r * ctx.last_slots + j for j, rs in enumerate(sorted(lasts))})
+    N = ctx.documents
+    steps, start_row, rows = [], {}, N
+    for d, frags in enumerate(per_doc):
+        if frags:
+            start_row[frags[0]] = d
+    for p in range(max((len(f) for f in per_doc), default=1) - 1):
+        docs = [d for d in range(N) if len(per_doc[d]) > p + 1]
+        for i, d in enumerate(docs):
+            start_row[per_doc[d][p + 1]] = rows + i
         rows += len(docs)
         steps.append((torch.tensor(docs, dtype=torch.int64, device=device),
-                      torch.tensor(flats, dtype=torch.int64, device=device)))
-    local = [row_of.get(ctx.rank * ctx.slots + s, rows) for s in range(len(ctx.fragments[ctx.rank]))]
-    return ChainTables(tuple(steps), torch.tensor(local, dtype=torch.int64, device=device))
+                      torch.tensor([source_index[per_doc[d][p]] for d in docs], dtype=torch.int64, device=device)))
+    frags = ctx.fragments[ctx.rank]
+    offsets = [0]
+    for f in frags:
+        offsets.append(offsets[-1] + f.tokens)
+    mine = sorted(s for (r, s) in source_index if r == ctx.rank)
+    source_rows = [t for s in mine for t in range(offsets[s], offsets[s + 1])]
+    source_cu = [0]
+    for s in mine:
+        source_cu.append(source_cu[-1] + frags[s].tokens)
+    final_rows = [last_index[f[-1]] if f else ctx.world * ctx.last_slots + d for d, f in enumerate(per_doc)]
+    as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    return ChainTables(
+        source_rows=as_index(source_rows), source_cu_seqlens=as_index(source_cu, torch.int32), steps=tuple(steps),
+        local_starts=as_index([start_row.get((ctx.rank, s), rows) for s in range(len(frags))]),
+        last_slots=as_index(sorted(s for (r, s) in last_index if r == ctx.rank)), final_rows=as_index(final_rows))
 
 
 @dataclasses.dataclass(frozen=True)

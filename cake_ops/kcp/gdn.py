@@ -1,15 +1,25 @@
 """``gdn_kcp``: GDN over the ranks of a KCP context, as a composition of ``cake::gdn_fwd``
-calls on each rank's fragments and one all-gather of per-fragment summaries.
+calls on each rank's fragments and all-gathers of per-fragment summaries.
 
 The math (docs/kcp.md): a fragment's end state is affine in its start state,
 ``S_end = M S_start + E``, with ``E`` the end state walked from zero and ``M`` the
 transfer (the end state walked from the identity with v = 0: the state update is
-linear in S and acts on its K rows). Each rank forms ``E`` and ``M`` of its fragments
-(two walks), all ranks gather them (fp32, ``slots`` per rank: bytes independent of the
-sequence length), every rank chains each document's fragments in token order from its
-initial state (fp32, the same ops in the same order on every rank), and each rank walks
-its fragments again from their chained start states for the outputs. Autograd gives the
-backward (the all-gather's adjoint sums in rank order: ``collectives``).
+linear in S and acts on its K rows). Only a *source* fragment, one that another fragment
+of its document follows, needs them: each rank walks its sources twice for ``E`` and
+``M``, all ranks gather them (fp32, ``source_slots`` per rank: bytes independent of the
+sequence length; nothing travels where no document crosses a rank boundary), every rank
+chains each document's fragments in token order from its initial state (fp32, the same
+ops in the same order on every rank), and each rank walks all its fragments from their
+chained start states for the outputs and, for the documents that end on it, the final
+states, which a second all-gather gives every rank.
+
+The backward (``_GdnKcp.backward``) runs the mirror in a fixed order on every rank, so
+that the ranks meet in the same collectives whatever their fragments: the final states'
+gradients to the ranks holding the documents' last fragments (the gathers' adjoint, an
+all-to-all summed in rank order: ``collectives``), the finishing walk's GDN backward, the
+chain's adjoint in fp32 (every rank forms the gradients of every source's summaries from
+its own start states' gradients), those gradients to the sources' ranks, and the source
+walks' GDN backward.
 
 The initial and final states are replicated: every rank passes the same
 ``initial_state`` and receives the same final states; their gradients are partial, each
@@ -21,26 +31,125 @@ from __future__ import annotations
 
 import torch
 
-from ..ops.gdn import SAVE_MODES, gdn
+from ..checks import check_gdn
+from ..ops.gdn import SAVE_MODES
 from . import collectives
 from .context import KcpContext
 
 
-def _chain(E: torch.Tensor, M: torch.Tensor, initial_state: torch.Tensor | None, ctx: KcpContext):
-    """(this rank's fragments' start states [F, HV, K, V], the documents' final states
-    [N, HV, K, V]) from every rank's summaries ``E`` [W * slots, HV, K, V] and ``M``
-    [W * slots, HV, K, K]: each document's fragments in token order, batched over the
-    documents by the fragment's place in its document."""
-    tables = ctx.chain_tables(E.device)
-    N, HV, K, V = ctx.documents, E.shape[1], E.shape[2], E.shape[3]
-    S = initial_state.float() if initial_state is not None else E.new_zeros(N, HV, K, V)
-    entering = []
+def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])]) if x.shape[0] < rows else x
+
+
+def _chain(E, M, S0, tables):
+    """(this rank's fragments' start states [F, HV, K, V], each step's entering states)
+    from every rank's source summaries ``E`` [W * source_slots, HV, K, V] and ``M``
+    [.., K, K] and the documents' initial states ``S0``: each document's fragments in
+    token order, batched over the documents by the fragment's place in its document."""
+    S, produced, entering = S0, [S0], []
     for docs, flats in tables.steps:
         S_in = S.index_select(0, docs)
         entering.append(S_in)
-        S = S.index_copy(0, docs, torch.matmul(M.index_select(0, flats), S_in) + E.index_select(0, flats))
-    entering.append(E.new_zeros(1, HV, K, V))  # the start of a rank's empty stand-in
-    return torch.cat(entering).index_select(0, tables.local_starts), S
+        S_next = torch.matmul(M.index_select(0, flats), S_in) + E.index_select(0, flats)
+        produced.append(S_next)
+        S = S.index_copy(0, docs, S_next)
+    produced.append(S0.new_zeros(1, *S0.shape[1:]))  # the start of a rank's empty stand-in
+    return torch.cat(produced).index_select(0, tables.local_starts), entering
+
+
+def _chain_adjoint(dstarts, E, M, S0, entering, tables):
+    """(dE, dM, dS0) of ``_chain`` given its start states' gradient, in fp32, the steps
+    in reverse."""
+    rows = [S0.shape[0]] + [docs.shape[0] for docs, _ in tables.steps] + [1]
+    dproduced = dstarts.new_zeros(sum(rows), *S0.shape[1:]).index_copy(0, tables.local_starts, dstarts)
+    dproduced = list(dproduced.split(rows))
+    dS = torch.zeros_like(S0)  # the gradient of the state after the last step: unused
+    dE, dM = torch.zeros_like(E), torch.zeros_like(M)
+    for p in reversed(range(len(tables.steps))):
+        docs, flats = tables.steps[p]
+        dnext = dproduced[p + 1] + dS.index_select(0, docs)
+        dE = dE.index_copy(0, flats, dnext)
+        dM = dM.index_copy(0, flats, torch.matmul(dnext, entering[p].transpose(-1, -2)))
+        dS = dS.index_copy(0, docs, torch.matmul(M.index_select(0, flats).transpose(-1, -2), dnext))
+    return dE, dM, dS + dproduced[0]
+
+
+class _GdnKcp(torch.autograd.Function):
+    @staticmethod
+    def forward(fctx, q, k, v, g, beta, initial_state, kcp, scale, use_qk_l2norm, deterministic, full,
+                output_final_state):
+        K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
+        tables = kcp.chain_tables(q.device)
+        S0 = (initial_state.float() if initial_state is not None
+              else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
+        walk = (scale, use_qk_l2norm, deterministic)
+        sources = tables.source_cu_seqlens.shape[0] - 1
+        sub, eye = None, None
+        summaries = q.new_zeros(0, HV, K, V + K, dtype=torch.float32)
+        if sources:  # E from zero, M from the identity with v = 0, over the source fragments only
+            sub = [x.index_select(0, tables.source_rows) for x in (q, k, v, g, beta)]
+            cu = tables.source_cu_seqlens
+            eye = torch.eye(K, device=q.device).expand(sources, HV, K, K).contiguous()
+            _, E = torch.ops.cake.gdn_fwd(*sub, cu, None, *walk)
+            _, M = torch.ops.cake.gdn_fwd(sub[0], sub[1], sub[2].new_zeros(sub[2].shape[0], HV, K), sub[3],
+                                          sub[4], cu, eye, *walk)
+            summaries = torch.cat([E, M], dim=-1)
+        every = (collectives.gather(_padded(summaries, kcp.source_slots), kcp) if kcp.source_slots
+                 else summaries)
+        E_all, M_all = every[..., :V], every[..., V:]
+        starts, entering = _chain(E_all, M_all, S0, tables)
+        if full:
+            o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk)
+        else:
+            (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk), None
+        fctx.kcp, fctx.walk, fctx.sources = kcp, walk, sources
+        fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
+        fctx.save_for_backward(q, k, v, g, beta, starts, E_all, M_all, S0, tapes, eye, *(sub or ()), *entering)
+        if not output_final_state:
+            return o, None
+        # Each document's final state from the rank holding its last fragment, to every rank.
+        every_final = collectives.gather(_padded(final.index_select(0, tables.last_slots), kcp.last_slots), kcp)
+        return o, torch.cat([every_final, S0]).index_select(0, tables.final_rows)
+
+    @staticmethod
+    def backward(fctx, do, dfinal):
+        kcp, walk, sources = fctx.kcp, fctx.walk, fctx.sources
+        q, k, v, g, beta, starts, E_all, M_all, S0, tapes, eye, *rest = fctx.saved_tensors
+        sub, entering = (rest[:5], rest[5:]) if sources else (None, rest)
+        tables = kcp.chain_tables(q.device)
+        do = torch.zeros_like(v) if do is None else do
+        dS0 = torch.zeros_like(S0)
+        dht = None
+        if fctx.output_final_state:
+            dfinal = torch.zeros_like(S0) if dfinal is None else dfinal
+            pool = kcp.world * kcp.last_slots
+            dcat = dfinal.new_zeros(pool + S0.shape[0], *S0.shape[1:]).index_copy(0, tables.final_rows, dfinal)
+            mine = collectives.gather_adjoint(dcat[:pool], kcp)[: tables.last_slots.shape[0]]
+            dht = torch.zeros_like(starts).index_copy(0, tables.last_slots, mine)
+            dS0 = dS0 + dcat[pool:]
+        dq, dk, dv, dg, dbeta, dstarts = torch.ops.cake.gdn_bwd(do, dht, q, k, v, g, beta, kcp.cu_seqlens, starts,
+                                                                *walk, tapes)
+        dE, dM, dS0_chain = _chain_adjoint(dstarts, E_all, M_all, S0, entering, tables)
+        dS0 = dS0 + dS0_chain
+        if kcp.source_slots:
+            dsummaries = collectives.gather_adjoint(torch.cat([dE, dM], dim=-1), kcp)
+            if sources:
+                V = v.shape[-1]
+                dE_mine, dM_mine = dsummaries[:sources, ..., :V], dsummaries[:sources, ..., V:]
+                cu = tables.source_cu_seqlens
+                rows = tables.source_rows
+                v0 = sub[2].new_zeros(sub[2].shape[0], *dM_mine.shape[1:2], dM_mine.shape[-1])
+                for dht_sub, v_sub, h0 in ((dE_mine.contiguous(), sub[2], None), (dM_mine.contiguous(), v0, eye)):
+                    grads = torch.ops.cake.gdn_bwd(torch.zeros_like(v_sub), dht_sub, sub[0], sub[1], v_sub, sub[3],
+                                                   sub[4], cu, h0, *walk)
+                    dq = dq.index_add(0, rows, grads[0])
+                    dk = dk.index_add(0, rows, grads[1])
+                    if h0 is None:  # v enters E's walk only
+                        dv = dv.index_add(0, rows, grads[2])
+                    dg = dg.index_add(0, rows, grads[3])
+                    dbeta = dbeta.index_add(0, rows, grads[4])
+        dh0 = dS0 if fctx.has_initial else None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
 
 def gdn_kcp(
@@ -87,19 +196,8 @@ def gdn_kcp(
     if initial_state is not None and initial_state.shape[0] != ctx.documents:
         raise ValueError(f"initial_state must have the context's {ctx.documents} documents in dim 0, got "
                          f"shape {tuple(initial_state.shape)}")
-    cu = ctx.cu_seqlens
-    K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
-    walk = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic, save_mode=save_mode)
-    # Summaries of the local fragments: E from zero, M from the identity with v = 0.
-    _, E = gdn(q, k, v, g, beta, cu, output_final_state=True, **walk)
-    F = E.shape[0]
-    eye = torch.eye(K, device=q.device).expand(F, HV, K, K).contiguous()
-    _, M = gdn(q, k, v.new_zeros(v.shape[0], HV, K), g, beta, cu, initial_state=eye, output_final_state=True,
-               **walk)
-    summaries = torch.cat([E, M], dim=-1)
-    if F < ctx.slots:
-        summaries = torch.cat([summaries, summaries.new_zeros(ctx.slots - F, *summaries.shape[1:])])
-    every = collectives.all_gather(summaries, ctx)
-    starts, final_state = _chain(every[..., :V], every[..., V:], initial_state, ctx)
-    o, _ = gdn(q, k, v, g, beta, cu, initial_state=starts, **walk)
-    return o, (final_state if output_final_state else None)
+    check_gdn(q, k, v, g, beta, ctx.cu_seqlens, None)
+    if scale is None:
+        scale = q.shape[-1] ** -0.5
+    return _GdnKcp.apply(q, k, v, g, beta, initial_state, ctx, float(scale), use_qk_l2norm, deterministic,
+                         save_mode == "full", output_final_state)
