@@ -4,8 +4,8 @@ fragments. Compositions of the ``cake::`` ops and functional collectives
 (``collectives``), so autograd gives the backward. docs/kcp.md has the math and the
 layouts."""
 
-from .context import LAYOUTS, Fragment, KcpContext, build_context_kcp
+from .context import LAYOUTS, Fragment, KcpContext, build_context_kcp, kcp_comm_bytes
 from .gdn import gdn_kcp
 from .short_conv import short_conv_kcp
 
-__all__ = ["LAYOUTS", "Fragment", "KcpContext", "build_context_kcp", "gdn_kcp", "short_conv_kcp"]
+__all__ = ["LAYOUTS", "Fragment", "KcpContext", "build_context_kcp", "gdn_kcp", "kcp_comm_bytes", "short_conv_kcp"]

@@ -172,6 +172,26 @@ class KcpContext:
         return every.index_select(0, order.to(x.device))
 
 
+def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, output_final_state: bool = False,
+                   conv_channels: int | None = None) -> dict[str, int]:
+    """Bytes each rank puts into each collective of one ``gdn_kcp`` forward+backward with
+    HV value heads of dims K, V (and, with ``conv_channels`` = D, one ``short_conv_kcp``
+    of D channels), by collective: the forward's all-gathers (each rank receives W times
+    its input) and their adjoints in the backward (all-to-alls of W such blocks). The
+    same on every rank, and independent of the sequence length: only the plan's slot
+    counts enter. A collective the plan does not need is absent."""
+    out = {}
+    if ctx.source_slots:
+        out["gdn summaries, forward all-gather"] = ctx.source_slots * HV * K * (V + K) * 4
+    if output_final_state:
+        out["gdn final states, forward all-gather"] = ctx.last_slots * HV * K * V * 4
+    if conv_channels is not None and ctx.conv_width > 1:
+        out["short conv tails, forward all-gather"] = ctx.slots * (ctx.conv_width - 1) * conv_channels * 4
+    for name in list(out):
+        out[name.replace("forward all-gather", "backward all-to-all")] = ctx.world * out[name]
+    return out
+
+
 @dataclasses.dataclass(frozen=True)
 class ChainTables:
     """Index tensors (int64) of ``gdn_kcp``'s exchange and chain.

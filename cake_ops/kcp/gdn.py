@@ -84,7 +84,6 @@ class _GdnKcp(torch.autograd.Function):
               else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
         walk = (scale, use_qk_l2norm, deterministic)
         sources = tables.source_cu_seqlens.shape[0] - 1
-        sub, eye = None, None
         summaries = q.new_zeros(0, HV, K, V + K, dtype=torch.float32)
         if sources:  # E from zero, M from the identity with v = 0, over the source fragments only
             sub = [x.index_select(0, tables.source_rows) for x in (q, k, v, g, beta)]
@@ -104,7 +103,8 @@ class _GdnKcp(torch.autograd.Function):
             (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk), None
         fctx.kcp, fctx.walk, fctx.sources = kcp, walk, sources
         fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
-        fctx.save_for_backward(q, k, v, g, beta, starts, E_all, M_all, S0, tapes, eye, *(sub or ()), *entering)
+        # The source sub-batch and the identity are formed again in the backward, not kept.
+        fctx.save_for_backward(q, k, v, g, beta, starts, E_all, M_all, S0, tapes, *entering)
         if not output_final_state:
             return o, None
         # Each document's final state from the rank holding its last fragment, to every rank.
@@ -114,8 +114,7 @@ class _GdnKcp(torch.autograd.Function):
     @staticmethod
     def backward(fctx, do, dfinal):
         kcp, walk, sources = fctx.kcp, fctx.walk, fctx.sources
-        q, k, v, g, beta, starts, E_all, M_all, S0, tapes, eye, *rest = fctx.saved_tensors
-        sub, entering = (rest[:5], rest[5:]) if sources else (None, rest)
+        q, k, v, g, beta, starts, E_all, M_all, S0, tapes, *entering = fctx.saved_tensors
         tables = kcp.chain_tables(q.device)
         do = torch.zeros_like(v) if do is None else do
         dS0 = torch.zeros_like(S0)
@@ -134,11 +133,12 @@ class _GdnKcp(torch.autograd.Function):
         if kcp.source_slots:
             dsummaries = collectives.gather_adjoint(torch.cat([dE, dM], dim=-1), kcp)
             if sources:
-                V = v.shape[-1]
+                K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
                 dE_mine, dM_mine = dsummaries[:sources, ..., :V], dsummaries[:sources, ..., V:]
-                cu = tables.source_cu_seqlens
-                rows = tables.source_rows
-                v0 = sub[2].new_zeros(sub[2].shape[0], *dM_mine.shape[1:2], dM_mine.shape[-1])
+                cu, rows = tables.source_cu_seqlens, tables.source_rows
+                sub = [x.index_select(0, rows) for x in (q, k, v, g, beta)]
+                eye = torch.eye(K, device=q.device).expand(sources, HV, K, K).contiguous()
+                v0 = sub[2].new_zeros(sub[2].shape[0], HV, K)
                 for dht_sub, v_sub, h0 in ((dE_mine.contiguous(), sub[2], None), (dM_mine.contiguous(), v0, eye)):
                     grads = torch.ops.cake.gdn_bwd(torch.zeros_like(v_sub), dht_sub, sub[0], sub[1], v_sub, sub[3],
                                                    sub[4], cu, h0, *walk)

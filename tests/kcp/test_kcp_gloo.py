@@ -163,3 +163,48 @@ def test_kcp_on_rank_threads():
     from cake_ops.testing import run_rank_threads
 
     run_rank_threads(_gdn_case, 3, "D", [130, 3, 0, 97], 2, 4, 5, timeout=300)
+
+
+def _counted_exchange(rank, world, expected):
+    """One gdn_kcp (final states on) and one short_conv_kcp forward+backward; ``expected``
+    [rank] gets kcp_comm_bytes of the call."""
+    from cake_ops.kcp import kcp_comm_bytes
+
+    lengths, H, HV, D = [130, 3, 0, 97, 1, 64], 1, 2, 6
+    inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=1)
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="D", conv_width=4)
+    local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+    o, ht = gdn_kcp(*local, ctx, initial_state=inp["initial_state"], output_final_state=True)
+    x, w = ctx.shard(torch.randn(sum(lengths), D)).requires_grad_(True), torch.randn(D, 4)
+    y = short_conv_kcp(x, w, None, ctx)
+    torch.autograd.grad((o, ht, y), local + [x], (torch.ones_like(o), torch.ones_like(ht), torch.ones_like(y)))
+    expected[rank] = kcp_comm_bytes(ctx, HV, K, V, output_final_state=True, conv_channels=D)
+
+
+def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch):
+    from cake_ops.kcp import collectives
+
+    log = {}
+    real_gather, real_adjoint = collectives.gather, collectives.gather_adjoint
+
+    def gather(x, ctx):
+        log.setdefault(ctx.rank, []).append(("forward all-gather", x.numel() * x.element_size()))
+        return real_gather(x, ctx)
+
+    def gather_adjoint(g, ctx):
+        log.setdefault(ctx.rank, []).append(("backward all-to-all", g.numel() * g.element_size()))
+        return real_adjoint(g, ctx)
+
+    monkeypatch.setattr(collectives, "gather", gather)
+    monkeypatch.setattr(collectives, "gather_adjoint", gather_adjoint)
+    from cake_ops.testing import run_rank_threads
+
+    expected_by_rank = {}
+    run_rank_threads(_counted_exchange, 3, expected_by_rank, timeout=300)
+    assert sorted(log) == sorted(expected_by_rank) == [0, 1, 2]
+    for rank, expected in expected_by_rank.items():
+        calls = log[rank]
+        order = ["gdn summaries", "gdn final states", "short conv tails"]
+        want = [("forward all-gather", expected[f"{n}, forward all-gather"]) for n in order]
+        want += [("backward all-to-all", expected[f"{n}, backward all-to-all"]) for n in reversed(order)]
+        assert sorted(calls) == sorted(want), (rank, calls, want)
