@@ -47,10 +47,11 @@ def _gdn_case(rank, world, layout, lengths, H, HV, seed):
 
     ctx = build_context_kcp(cu, layout=layout)
 
-    def run():
+    def run(save_mode="light"):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in names[:5]]
         h0 = inp["initial_state"].clone().requires_grad_(True)
-        o, ht = gdn_kcp(*local, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        o, ht = gdn_kcp(*local, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
+                        save_mode=save_mode)
         # Only rank 0's loss reads the final states; the others' backward still meets it in
         # the final states' exchange.
         outs, douts = ((o, ht), (ctx.shard(do), dht)) if rank == 0 else ((o,), (ctx.shard(do),))
@@ -66,6 +67,8 @@ def _gdn_case(rank, world, layout, lengths, H, HV, seed):
     assert accuracy(got[1].detach(), ht64).ok, where
     for a, b in zip(got, run()):
         assert torch.equal(a, b), f"not bitwise on a repeat ({where})"
+    for a, b in zip(got, run("full")):
+        assert torch.equal(a, b), f"the full save mode differs from the light one ({where})"
 
 
 def _short_conv_case(rank, world, layout, lengths, seed):
