@@ -160,7 +160,17 @@ def test_kcp_traces_and_checkpoints():
     run_ranks(_traced_and_checkpointed, 2, timeout=600)
 
 
-def test_kcp_on_rank_threads():
+@pytest.fixture
+def one_intra_op_thread():
+    """Rank threads share this process's intra-op thread pool; with one thread each op's
+    split of its work (and so its bits) cannot depend on what the other ranks run."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_kcp_on_rank_threads(one_intra_op_thread):
     """The same checks with the ranks as threads of one process (the harness the GPU
     tests use to run several ranks on one GPU)."""
     from cake_ops.testing import run_rank_threads
@@ -184,7 +194,7 @@ def _counted_exchange(rank, world, expected):
     expected[rank] = kcp_comm_bytes(ctx, HV, K, V, output_final_state=True, conv_channels=D)
 
 
-def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch):
+def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_thread):
     from cake_ops.kcp import collectives
 
     log = {}
