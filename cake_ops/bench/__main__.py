@@ -3,7 +3,8 @@
 The command line: parses the flags, then in one process on one device measures the
 bf16 matmul rate (the floor), loads the arms, checks every arm and op against the FP64
 reference, times every (shape, op) cell and prints the table (``--kernels``: and the
-per-kernel split), and writes the JSON (``--json``).
+per-kernel split), and writes the JSON (``--json``). ``--cp N --emulate``: context
+parallel's per-rank time instead (``cake_ops.bench.kcp``).
 
 Interrupted (SIGTERM, e.g. from ``timeout``, or Ctrl-C) while timing: the cells timed
 so far are still summarised, printed and written; a timing not finished for a cell is
@@ -26,7 +27,7 @@ import torch
 from .accuracy import check_accuracy, reference_outputs
 from .arms import ARMS, OPS, load_arms
 from .report import format_kernels, format_table, make_meta, summarize_rows, write_json
-from .shapes import ACCURACY_SHAPE, QUICK_SHAPES, SHAPES, make_inputs, matmul_tflops
+from .shapes import ACCURACY_SHAPE, KCP_SHAPES, QUICK_SHAPES, SHAPES, make_inputs, matmul_tflops
 from .timing import Timer, time_cells
 
 
@@ -89,7 +90,8 @@ def run(args) -> dict:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cake_ops.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", help=f"comma list; default all of {','.join(SHAPES)} (--quick: {','.join(QUICK_SHAPES)})")
+    p.add_argument("--shapes", help=f"comma list; default all of {','.join(SHAPES)} (--quick: {','.join(QUICK_SHAPES)}; "
+                                    f"with --cp also {','.join(KCP_SHAPES)})")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(OPS)}")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {','.join(ARMS)}")
     p.add_argument("--groups", type=int, default=3, help="timing groups, >= 3 (default 3)")
@@ -105,6 +107,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the report here (allow_nan=False; non-finite -> null)")
     p.add_argument("--kernels", action="store_true", help="also print each row's per-kernel times (always in the JSON)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few calls: a smoke test that also runs on a CPU")
+    p.add_argument("--cp", type=int, default=None, metavar="N",
+                   help="context parallel over N ranks (cake_ops.kcp): per-rank time and bytes; needs --emulate")
+    p.add_argument("--emulate", action="store_true", help="with --cp: the ranks as threads on this one device")
+    p.add_argument("--layout", default="C", choices=("C", "Z", "D"), help="with --cp: the KCP layout")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     args.argv = argv
@@ -117,7 +123,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         return list(dict.fromkeys(items))
 
     default_shapes = QUICK_SHAPES if args.quick else SHAPES
-    args.shapes = split(args.shapes or ",".join(default_shapes), list(SHAPES) + list(QUICK_SHAPES), "shapes")
+    known = list(SHAPES) + list(QUICK_SHAPES) + (list(KCP_SHAPES) if args.cp is not None else [])
+    args.shapes = split(args.shapes or ",".join(default_shapes), known, "shapes")
     args.ops = split(args.ops, OPS, "ops")
     args.arms = [a for a in ARMS if a in split(args.arms, ARMS, "arms")]  # canonical (palindrome) order
     args.calls = args.calls if args.calls is not None else (2 if args.quick else 10)
@@ -126,12 +133,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--groups must be >= 3 (docs/benchmark.md, Protocol)")
     if args.calls < 1 or args.warmup < 0:
         p.error("--calls must be >= 1 and --warmup >= 0")
+    if args.cp is not None and (args.cp < 1 or not args.emulate):
+        p.error("--cp N needs N >= 1 and --emulate (ranks as threads on this device; runs over several "
+                "devices are not built yet)")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Parse argv (default sys.argv[1:]), run, print the table(s), write the JSON; the report."""
     args = parse_args(argv)
+    if args.cp is not None:
+        from .kcp import format_kcp_table, run_kcp
+
+        report = run_kcp(args)
+        print(format_kcp_table(report), flush=True)
+        if args.json:
+            write_json(report, args.json)
+            print(f"wrote {args.json}", flush=True)
+        return report
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         report = run(args)

@@ -71,6 +71,8 @@ QUICK_SHAPES = {
         Shape("q_single", (128,), 1, 2),
     )
 }
+# Context parallel's target shape (issue 20), for --cp only: two documents of 128k tokens.
+KCP_SHAPES = {s.name: s for s in (Shape("s256k_2docs_h16", (131072, 131072), 16, 48),)}
 ACCURACY_SHAPE = Shape("accuracy", (100, 64, 37), 2, 6)
 
 

@@ -144,8 +144,8 @@ class KcpContext:
         return self._tables[key]
 
     @functools.cached_property
-    def _local_rows(self) -> torch.Tensor:
-        """Global token index of each local row (int64, on the CPU)."""
+    def local_rows(self) -> torch.Tensor:
+        """The global token index of each local row (int64, on the CPU)."""
         rows = [torch.arange(f.start, f.end) for f in self.fragments[self.rank]]
         return torch.cat(rows) if rows else torch.zeros(0, dtype=torch.int64)
 
@@ -153,7 +153,7 @@ class KcpContext:
         """This rank's rows of a global packed tensor ``x`` [T, ...] (differentiable)."""
         if x.shape[0] != self.cu_seqlens_global[-1]:
             raise ValueError(f"x must have the global token count {self.cu_seqlens_global[-1]} rows, got {x.shape[0]}")
-        return x.index_select(0, self._local_rows.to(x.device))
+        return x.index_select(0, self.local_rows.to(x.device))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The global packed tensor [T, ...] from every rank's local rows ``x`` (a

@@ -333,3 +333,20 @@ def test_torch_arm_runs_under_pytorch_implementation():
     assert torch_arm.context is cake_ops.pytorch_implementation
     cake_arm, fla_arm = load_arms(["cake", "fla"], torch.device("cpu"))
     assert cake_arm.context is None and "needs a CUDA device" in fla_arm.skip
+
+
+def test_cp_emulate_on_cpu(tmp_path):
+    """``--cp N --emulate`` end to end on the CPU: gdn_kcp on rank threads checked against
+    FP64, the per-rank times and the bytes per collective in strict JSON."""
+    path = tmp_path / "json"
+    report = main(["--quick", "--device", "cpu", "--shapes", "q_packed", "--calls", "1", "--warmup", "0", "--cp", "2",
+                   "--emulate", "--layout", "Z", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["accuracy"]["ok"] and all(0 <= x <= 1e-2 for x in data["accuracy"]["rel_rms"].values())
+    (row,) = data["results"]
+    assert row["shape"] == "q_packed" and row["single_ms"] > 0 and row["kcp_all_ranks_ms"] > 0
+    assert row["per_rank_ms"] == pytest.approx(row["kcp_all_ranks_ms"] / 2)
+    assert row["comm_bytes_per_rank"]["gdn summaries, forward all-gather"] > 0  # documents cross the boundary
+    assert report["meta"]["cp"] == 2 and report["meta"]["layout"] == "Z"
+    with pytest.raises(SystemExit):
+        main(["--quick", "--cp", "2"])  # without --emulate: not built
