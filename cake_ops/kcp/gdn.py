@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_gdn
-from ..ops.gdn import SAVE_MODES
+from ..ops.gdn import SAVE_MODES, gdn_tapes_bytes
 from . import collectives
 from .context import KcpContext
 
@@ -201,3 +201,24 @@ def gdn_kcp(
         scale = q.shape[-1] ** -0.5
     return _GdnKcp.apply(q, k, v, g, beta, initial_state, ctx, float(scale), use_qk_l2norm, deterministic,
                          save_mode == "full", output_final_state)
+
+
+def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128, *,
+                    dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype = torch.float32,
+                    use_qk_l2norm: bool = False, save_mode: str = "light", cuda_kernels: bool = True) -> int:
+    """Bytes of the tensors one ``gdn_kcp`` call on this rank keeps from its forward to
+    its backward: its rows of q, k, v (``dtype``), g (fp32) and beta; the fragments'
+    start states, the gathered summaries, the documents' initial states (the caller's
+    fp32 tensor, or zeros) and the chain's entering states, fp32; in the full save mode
+    the finishing walk's tapes (``gdn_tapes_bytes``) where the CUDA kernels run the call
+    (``cuda_kernels``). Tests compare it with what the call saves."""
+    if save_mode not in SAVE_MODES:
+        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    T, F, state = ctx.local_tokens, len(ctx.fragments[ctx.rank]), HV * K * V * 4
+    saved = (2 * T * H * K + T * HV * V) * dtype.itemsize + T * HV * (4 + beta_dtype.itemsize)
+    saved += F * state + ctx.documents * state
+    saved += ctx.world * ctx.source_slots * HV * K * (V + K) * 4
+    saved += sum(docs.shape[0] for docs, _ in ctx.chain_tables(ctx.cu_seqlens.device).steps) * state
+    if save_mode == "full" and cuda_kernels:
+        saved += gdn_tapes_bytes(T, F, H, HV, use_qk_l2norm)
+    return saved

@@ -221,3 +221,36 @@ def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_
         want = [("forward all-gather", expected[f"{n}, forward all-gather"]) for n in order]
         want += [("backward all-to-all", expected[f"{n}, backward all-to-all"]) for n in reversed(order)]
         assert sorted(calls) == sorted(want), (rank, calls, want)
+
+
+def _saved(rank, world, result):
+    """The bytes one gdn_kcp call saves for its backward (unique storages through the
+    saved-tensor hooks) against kcp_saved_bytes, with and without initial states."""
+    from cake_ops.kcp import kcp_saved_bytes
+
+    lengths, H, HV = [130, 3, 0, 97, 1, 64], 1, 2
+    inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=2)
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="D")
+    for h0 in (None, inp["initial_state"]):
+        local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+        storages = {}
+
+        def pack(t):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            gdn_kcp(*local, ctx, initial_state=h0)
+        want = kcp_saved_bytes(ctx, H, HV, K, V, dtype=torch.float32, cuda_kernels=False)
+        result.setdefault(rank, []).append((sum(storages.values()), want))
+
+
+def test_kcp_saved_bytes_are_what_the_call_saves(one_intra_op_thread):
+    from cake_ops.testing import run_rank_threads
+
+    result = {}
+    run_rank_threads(_saved, 3, result, timeout=300)
+    assert sorted(result) == [0, 1, 2]
+    for rank, pairs in result.items():
+        for got, want in pairs:
+            assert got == want, (rank, got, want)
