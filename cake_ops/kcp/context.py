@@ -153,7 +153,10 @@ class KcpContext:
         """This rank's rows of a global packed tensor ``x`` [T, ...] (differentiable)."""
         if x.shape[0] != self.cu_seqlens_global[-1]:
             raise ValueError(f"x must have the global token count {self.cu_seqlens_global[-1]} rows, got {x.shape[0]}")
-        return x.index_select(0, self.local_rows.to(x.device))
+        key = ("rows", x.device)
+        if key not in self._tables:  # one copy to the device per context, not per call
+            self._tables[key] = self.local_rows.to(x.device)
+        return x.index_select(0, self._tables[key])
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The global packed tensor [T, ...] from every rank's local rows ``x`` (a
@@ -163,13 +166,16 @@ class KcpContext:
         most = max(sum(f.tokens for f in frags) for frags in self.fragments)
         padded = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])]) if most > x.shape[0] else x
         every = collectives.all_gather(padded, self)  # [world * most, ...]
-        order = torch.empty(self.cu_seqlens_global[-1], dtype=torch.int64)
-        for r, frags in enumerate(self.fragments):
-            base = r * most
-            for f in frags:
-                order[f.start:f.end] = torch.arange(base, base + f.tokens)
-                base += f.tokens
-        return every.index_select(0, order.to(x.device))
+        key = ("gather", x.device)
+        if key not in self._tables:  # the global order of the gathered rows, made once per device
+            order = torch.empty(self.cu_seqlens_global[-1], dtype=torch.int64)
+            for r, frags in enumerate(self.fragments):
+                base = r * most
+                for f in frags:
+                    order[f.start:f.end] = torch.arange(base, base + f.tokens)
+                    base += f.tokens
+            self._tables[key] = order.to(x.device)
+        return every.index_select(0, self._tables[key])
 
 
 def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, output_final_state: bool = False,

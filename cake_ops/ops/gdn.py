@@ -383,12 +383,13 @@ def _kept_tapes_peak(q, v, cu_seqlens, use_qk_l2norm: bool, deterministic: bool)
     return kept, max(ws["light", "forward"], ws["light", "backward"])
 
 
-def _checkpoint_plan(base_saves: int, full_mode: bool, recompute_output: str, reuse, replay: bool, peak):
+def _checkpoint_plan(base_saves: int, full_mode: bool, recompute_output: str, reuse, replay: bool, cuda, peak):
     """How a call runs given the checkpoint run it is in (cake_ops.checkpointing):
     (run cake::gdn_fwd_full, output discarded, save a tapes stand-in, the recompute Pass
     whose tapes it keeps or None, the diagnostics record). ``base_saves``: the tensors
-    the light node saves (0 without an autograd node); ``peak()``: ``_kept_tapes_peak`` of
-    the call, or None off the CUDA kernels (which keep no tapes)."""
+    the light node saves (0 without an autograd node); ``cuda()``: whether the CUDA
+    kernels take the call (the PyTorch implementation keeps no tapes); ``peak()``:
+    ``_kept_tapes_peak`` of the call. Both are asked only where the answer decides."""
     if base_saves == 0:
         why = "the call saves no tensors for backward (no input requires grad, or grad mode is off)"
         return False, False, False, None, dict(recompute_output="launched", why=why, tapes="recomputed",
@@ -413,15 +414,14 @@ def _checkpoint_plan(base_saves: int, full_mode: bool, recompute_output: str, re
     if why is None:
         return False, True, slot, None, dict(recompute_output="skipped", why="", tapes="recomputed",
                                              tapes_why="the recompute launches nothing")
-    bytes_ = peak() if slot and not capturing else None
     keep_why = ("reuse_recompute_tapes=False" if not slot else
                 "the current CUDA stream is capturing a graph" if capturing else
-                "the PyTorch implementation keeps no tapes" if bytes_ is None else None)
+                "the PyTorch implementation keeps no tapes" if not cuda() else None)
     if keep_why is None and not full_mode and reuse == "auto":
         if closing is not None:
             keep_why = f"reuse_recompute_tapes='auto' and {closing}: kept tapes would live through its backward"
         else:
-            kept_bytes, recomputed_bytes = bytes_
+            kept_bytes, recomputed_bytes = peak()
             if kept_bytes > recomputed_bytes:
                 keep_why = (f"reuse_recompute_tapes='auto': kept tapes would raise the peak "
                             f"({kept_bytes} > {recomputed_bytes} bytes)")
@@ -525,15 +525,16 @@ def gdn(
                                                    initial_state))
     full, discarded, stand_in, keeper = save_mode == "full" and saves, False, False, None
     if not torch.compiler.is_compiling():  # traced, there is no frame to read (and no Python state to keep)
-        def peak():  # only in a launching recompute
-            if not _cuda_kernels(*args[:6], args[7]):
-                return None
+        def cuda():
+            return _cuda_kernels(*args[:6], args[7])
+
+        def peak():
             return _kept_tapes_peak(q, packed["v"], cu_seqlens, use_qk_l2norm, deterministic)
 
         # The light node saves q, k, v, g, beta, cu_seqlens and the initial state.
         base_saves = (7 if initial_state is not None else 6) if saves else 0
         full, discarded, stand_in, keeper, record = _checkpoint_plan(
-            base_saves, save_mode == "full", recompute_output, reuse_recompute_tapes, graph == "replay", peak)
+            base_saves, save_mode == "full", recompute_output, reuse_recompute_tapes, graph == "replay", cuda, peak)
         _last_call.clear()
         _last_call.update(record)
     if keeper is not None:
