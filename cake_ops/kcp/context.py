@@ -183,18 +183,21 @@ def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, outp
     """Bytes each rank puts into each collective of one ``gdn_kcp`` forward+backward with
     HV value heads of dims K, V (and, with ``conv_channels`` = D, one ``short_conv_kcp``
     of D channels), by collective: the forward's all-gathers (each rank receives W times
-    its input) and their adjoints in the backward (all-to-alls of W such blocks). The
-    same on every rank, and independent of the sequence length: only the plan's slot
-    counts enter. A collective the plan does not need is absent."""
+    its input) and the backward's all-to-alls of W blocks (the gradients of the final
+    states and of the short convolution's tails, the adjoints of their gathers; of the
+    summaries only ``E``'s, the gradient of a source's end state). The same on every
+    rank, and independent of the sequence length: only the plan's slot counts enter. A
+    collective the plan does not need is absent."""
     out = {}
     if ctx.source_slots:
         out["gdn summaries, forward all-gather"] = ctx.source_slots * HV * K * (V + K) * 4
+        out["gdn summaries, backward all-to-all"] = ctx.world * ctx.source_slots * HV * K * V * 4
     if output_final_state:
         out["gdn final states, forward all-gather"] = ctx.last_slots * HV * K * V * 4
+        out["gdn final states, backward all-to-all"] = ctx.world * out["gdn final states, forward all-gather"]
     if conv_channels is not None and ctx.conv_width > 1:
         out["short conv tails, forward all-gather"] = ctx.slots * (ctx.conv_width - 1) * conv_channels * 4
-    for name in list(out):
-        out[name.replace("forward all-gather", "backward all-to-all")] = ctx.world * out[name]
+        out["short conv tails, backward all-to-all"] = ctx.world * out["short conv tails, forward all-gather"]
     return out
 
 
@@ -204,7 +207,7 @@ class ChainTables:
 
     ``source_rows``, ``source_cu_seqlens``: this rank's source fragments (those followed
     by another fragment of their document: their summaries are exchanged) as a packed
-    sub-batch of its rows; ``steps[p]``: (the documents with a p-th source, those
+    sub-batch of its rows; ``source_fragments``: their local fragment indices; ``steps[p]``: (the documents with a p-th source, those
     sources' flat slots rank * source_slots + j in the gathered summaries);
     ``local_starts``: per local fragment, its start state's row among [the N initial
     states, the states the steps produce in step order, a zero state]; ``last_slots``:
@@ -214,6 +217,7 @@ class ChainTables:
 
     source_rows: torch.Tensor
     source_cu_seqlens: torch.Tensor
+    source_fragments: torch.Tensor
     steps: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     local_starts: torch.Tensor
     last_slots: torch.Tensor
@@ -253,7 +257,8 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
     final_rows = [last_index[f[-1]] if f else ctx.world * ctx.last_slots + d for d, f in enumerate(per_doc)]
     as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
     return ChainTables(
-        source_rows=as_index(source_rows), source_cu_seqlens=as_index(source_cu, torch.int32), steps=tuple(steps),
+        source_rows=as_index(source_rows), source_cu_seqlens=as_index(source_cu, torch.int32),
+        source_fragments=as_index(mine), steps=tuple(steps),
         local_starts=as_index([start_row.get((ctx.rank, s), rows) for s in range(len(frags))]),
         last_slots=as_index(sorted(s for (r, s) in last_index if r == ctx.rank)), final_rows=as_index(final_rows))
 

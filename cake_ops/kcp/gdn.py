@@ -17,9 +17,13 @@ The backward (``_GdnKcp.backward``) runs the mirror in a fixed order on every ra
 that the ranks meet in the same collectives whatever their fragments: the final states'
 gradients to the ranks holding the documents' last fragments (the gathers' adjoint, an
 all-to-all summed in rank order: ``collectives``), the finishing walk's GDN backward, the
-chain's adjoint in fp32 (every rank forms the gradients of every source's summaries from
-its own start states' gradients), those gradients to the sources' ranks, and the source
-walks' GDN backward.
+chain's adjoint in fp32 (every rank forms, from its own start states' gradients, the
+gradient of the state at every source's end), those gradients to the sources' ranks, and
+one more GDN backward over the sources: their walk from the chained start states with
+that end gradient and no output gradient. Its parameter gradients are those of
+``<dS_end, M S_start + E>``, the summaries' gradients taken through one walk instead of
+the walks for ``E`` and ``M`` each (its start-state gradient, ``Mᵀ dS_end``, is the
+chain adjoint's own and is dropped).
 
 The initial and final states are replicated: every rank passes the same
 ``initial_state`` and receives the same final states; their gradients are partial, each
@@ -42,36 +46,35 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _chain(E, M, S0, tables):
-    """(this rank's fragments' start states [F, HV, K, V], each step's entering states)
-    from every rank's source summaries ``E`` [W * source_slots, HV, K, V] and ``M``
-    [.., K, K] and the documents' initial states ``S0``: each document's fragments in
-    token order, batched over the documents by the fragment's place in its document."""
-    S, produced, entering = S0, [S0], []
+    """This rank's fragments' start states [F, HV, K, V] from every rank's source
+    summaries ``E`` [W * source_slots, HV, K, V] and ``M`` [.., K, K] and the documents'
+    initial states ``S0``: each document's fragments in token order, batched over the
+    documents by the fragment's place in its document."""
+    S, produced = S0, [S0]
     for docs, flats in tables.steps:
-        S_in = S.index_select(0, docs)
-        entering.append(S_in)
-        S_next = torch.matmul(M.index_select(0, flats), S_in) + E.index_select(0, flats)
+        S_next = torch.matmul(M.index_select(0, flats), S.index_select(0, docs)) + E.index_select(0, flats)
         produced.append(S_next)
         S = S.index_copy(0, docs, S_next)
     produced.append(S0.new_zeros(1, *S0.shape[1:]))  # the start of a rank's empty stand-in
-    return torch.cat(produced).index_select(0, tables.local_starts), entering
+    return torch.cat(produced).index_select(0, tables.local_starts)
 
 
-def _chain_adjoint(dstarts, E, M, S0, entering, tables):
-    """(dE, dM, dS0) of ``_chain`` given its start states' gradient, in fp32, the steps
-    in reverse."""
+def _chain_adjoint(dstarts, M, S0, tables):
+    """(dE, dS0) of ``_chain`` given its start states' gradient, in fp32, the steps in
+    reverse. ``dE`` of a source is the gradient of the state at its end (``E`` enters that
+    state additively), which is all its backward walk needs (module docstring); the
+    gradient of ``M`` is not formed."""
     rows = [S0.shape[0]] + [docs.shape[0] for docs, _ in tables.steps] + [1]
     dproduced = dstarts.new_zeros(sum(rows), *S0.shape[1:]).index_copy(0, tables.local_starts, dstarts)
     dproduced = list(dproduced.split(rows))
     dS = torch.zeros_like(S0)  # the gradient of the state after the last step: unused
-    dE, dM = torch.zeros_like(E), torch.zeros_like(M)
+    dE = M.new_zeros(*M.shape[:-1], S0.shape[-1])
     for p in reversed(range(len(tables.steps))):
         docs, flats = tables.steps[p]
         dnext = dproduced[p + 1] + dS.index_select(0, docs)
         dE = dE.index_copy(0, flats, dnext)
-        dM = dM.index_copy(0, flats, torch.matmul(dnext, entering[p].transpose(-1, -2)))
         dS = dS.index_copy(0, docs, torch.matmul(M.index_select(0, flats).transpose(-1, -2), dnext))
-    return dE, dM, dS + dproduced[0]
+    return dE, dS + dproduced[0]
 
 
 class _GdnKcp(torch.autograd.Function):
@@ -96,15 +99,16 @@ class _GdnKcp(torch.autograd.Function):
         every = (collectives.gather(_padded(summaries, kcp.source_slots), kcp) if kcp.source_slots
                  else summaries)
         E_all, M_all = every[..., :V], every[..., V:]
-        starts, entering = _chain(E_all, M_all, S0, tables)
+        starts = _chain(E_all, M_all, S0, tables)
         if full:
             o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk)
         else:
             (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk), None
         fctx.kcp, fctx.walk, fctx.sources = kcp, walk, sources
         fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
-        # The source sub-batch and the identity are formed again in the backward, not kept.
-        fctx.save_for_backward(q, k, v, g, beta, starts, E_all, M_all, S0, tapes, *entering)
+        # The backward's chain adjoint reads the transfers only (a copy: not the gathered E
+        # beside them); the source sub-batch is formed again there, not kept.
+        fctx.save_for_backward(q, k, v, g, beta, starts, M_all.contiguous(), S0, tapes)
         if not output_final_state:
             return o, None
         # Each document's final state from the rank holding its last fragment, to every rank.
@@ -114,7 +118,7 @@ class _GdnKcp(torch.autograd.Function):
     @staticmethod
     def backward(fctx, do, dfinal):
         kcp, walk, sources = fctx.kcp, fctx.walk, fctx.sources
-        q, k, v, g, beta, starts, E_all, M_all, S0, tapes, *entering = fctx.saved_tensors
+        q, k, v, g, beta, starts, M_all, S0, tapes = fctx.saved_tensors
         tables = kcp.chain_tables(q.device)
         do = torch.zeros_like(v) if do is None else do
         dS0 = torch.zeros_like(S0)
@@ -128,26 +132,24 @@ class _GdnKcp(torch.autograd.Function):
             dS0 = dS0 + dcat[pool:]
         dq, dk, dv, dg, dbeta, dstarts = torch.ops.cake.gdn_bwd(do, dht, q, k, v, g, beta, kcp.cu_seqlens, starts,
                                                                 *walk, tapes)
-        dE, dM, dS0_chain = _chain_adjoint(dstarts, E_all, M_all, S0, entering, tables)
+        dE, dS0_chain = _chain_adjoint(dstarts, M_all, S0, tables)
         dS0 = dS0 + dS0_chain
         if kcp.source_slots:
-            dsummaries = collectives.gather_adjoint(torch.cat([dE, dM], dim=-1), kcp)
+            dend = collectives.gather_adjoint(dE, kcp)
             if sources:
-                K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
-                dE_mine, dM_mine = dsummaries[:sources, ..., :V], dsummaries[:sources, ..., V:]
+                # The sources' walks again, from their chained start states, with the total
+                # gradient of their end states and no output gradient: the gradient of
+                # <dend, M S_start + E> through the summaries (the start states' gradient
+                # that walk gives is the chain's M^T dend, already counted: dropped).
                 cu, rows = tables.source_cu_seqlens, tables.source_rows
                 sub = [x.index_select(0, rows) for x in (q, k, v, g, beta)]
-                eye = torch.eye(K, device=q.device).expand(sources, HV, K, K).contiguous()
-                v0 = sub[2].new_zeros(sub[2].shape[0], HV, K)
-                for dht_sub, v_sub, h0 in ((dE_mine.contiguous(), sub[2], None), (dM_mine.contiguous(), v0, eye)):
-                    grads = torch.ops.cake.gdn_bwd(torch.zeros_like(v_sub), dht_sub, sub[0], sub[1], v_sub, sub[3],
-                                                   sub[4], cu, h0, *walk)
-                    dq = dq.index_add(0, rows, grads[0])
-                    dk = dk.index_add(0, rows, grads[1])
-                    if h0 is None:  # v enters E's walk only
-                        dv = dv.index_add(0, rows, grads[2])
-                    dg = dg.index_add(0, rows, grads[3])
-                    dbeta = dbeta.index_add(0, rows, grads[4])
+                grads = torch.ops.cake.gdn_bwd(torch.zeros_like(sub[2]), dend[:sources].contiguous(), *sub, cu,
+                                               starts.index_select(0, tables.source_fragments), *walk)
+                dq = dq.index_add(0, rows, grads[0])
+                dk = dk.index_add(0, rows, grads[1])
+                dv = dv.index_add(0, rows, grads[2])
+                dg = dg.index_add(0, rows, grads[3])
+                dbeta = dbeta.index_add(0, rows, grads[4])
         dh0 = dS0 if fctx.has_initial else None
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 
@@ -208,8 +210,8 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
                     use_qk_l2norm: bool = False, save_mode: str = "light", cuda_kernels: bool = True) -> int:
     """Bytes of the tensors one ``gdn_kcp`` call on this rank keeps from its forward to
     its backward: its rows of q, k, v (``dtype``), g (fp32) and beta; the fragments'
-    start states, the gathered summaries, the documents' initial states (the caller's
-    fp32 tensor, or zeros) and the chain's entering states, fp32; in the full save mode
+    start states, the gathered transfers ``M`` and the documents' initial states (the
+    caller's fp32 tensor, or zeros), fp32; in the full save mode
     the finishing walk's tapes (``gdn_tapes_bytes``) where the CUDA kernels run the call
     (``cuda_kernels``). Tests compare it with what the call saves."""
     if save_mode not in SAVE_MODES:
@@ -217,8 +219,7 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
     T, F, state = ctx.local_tokens, len(ctx.fragments[ctx.rank]), HV * K * V * 4
     saved = (2 * T * H * K + T * HV * V) * dtype.itemsize + T * HV * (4 + beta_dtype.itemsize)
     saved += F * state + ctx.documents * state
-    saved += ctx.world * ctx.source_slots * HV * K * (V + K) * 4
-    saved += sum(docs.shape[0] for docs, _ in ctx.chain_tables(ctx.cu_seqlens.device).steps) * state
+    saved += ctx.world * ctx.source_slots * HV * K * K * 4
     if save_mode == "full" and cuda_kernels:
         saved += gdn_tapes_bytes(T, F, H, HV, use_qk_l2norm)
     return saved
