@@ -13,8 +13,9 @@ benchmark's fwdbwd step (cake_ops.gdn, then torch.autograd.grad of o with do), t
 step with graph="replay" (each op's launches replayed from its CUDA graph), the two
 custom ops cake::gdn_fwd and cake::gdn_bwd under no_grad, and the two raw extension ops.
 Shape: s16k_h8 (4 x 4096 tokens, (H, HV) = (8, 16)), deterministic, in-op L2 norm.
---profile adds a cProfile of the first layer; --ops-table the torch profiler's table of
-its host-side ops (self CPU time), which shows what runs besides the kernels' launches.
+--profile adds a cProfile of the first layer (--layer N: the N-th); --ops-table the torch
+profiler's table of its host-side ops (self CPU time), which shows what runs besides the
+kernels' launches.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> None:
     ap.add_argument("--shape", default="s16k_h8", help="a benchmark shape (cake_ops.bench.shapes)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ops-table", action="store_true")
+    ap.add_argument("--layer", type=int, default=0, help="the layer --profile and --ops-table look at (0: the first)")
     args = ap.parse_args()
 
     from cake_ops.bench.shapes import SHAPES
@@ -104,7 +106,7 @@ def main() -> None:
         t2 = time.perf_counter()
         print(f"{name:28s} host {1e6 * (t1 - t0) / args.calls:7.1f} us/call   wall {1e6 * (t2 - t0) / args.calls:7.1f} us/call")
 
-    first = layers[0][1]
+    first = layers[args.layer][1]
     if args.profile:
         prof = cProfile.Profile()
         prof.enable()
