@@ -25,6 +25,7 @@ import warnings
 import torch
 
 from .. import checkpointing, dispatch, graphs
+from . import cuda_kernel
 from ..checks import check_cu_seqlens_values, check_gdn, check_gdn_grads, check_scale
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
@@ -208,7 +209,7 @@ def _launch(op: str, graph: bool, args: tuple):
     return graphs.replay(op, launch, args) if graph else launch(*args)
 
 
-@gdn_fwd_full.register_kernel("cuda")
+@cuda_kernel("gdn_fwd_full")
 def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
                        graph=False):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
@@ -230,7 +231,7 @@ def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
     return pytorch_gdn.gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
 
 
-@gdn_fwd.register_kernel("cuda")
+@cuda_kernel("gdn_fwd")
 def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
@@ -287,7 +288,7 @@ def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale
     return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
 
 
-@gdn_bwd.register_kernel("cuda")
+@cuda_kernel("gdn_bwd")
 def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
                   tapes=None, graph=False):
     _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)

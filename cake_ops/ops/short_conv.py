@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .. import dispatch
+from . import cuda_kernel
 from ..checks import check_cu_seqlens_values, check_short_conv
 from ..pytorch import short_conv as pytorch_short_conv
 from ..varlen import to_packed
@@ -40,7 +41,7 @@ def short_conv_fwd(
     return pytorch_short_conv.short_conv_fwd(x, weight, bias, cu_seqlens, initial_state, silu)
 
 
-@short_conv_fwd.register_kernel("cuda")
+@cuda_kernel("short_conv_fwd")
 def _short_conv_fwd_cuda(x, weight, bias, cu_seqlens, initial_state, silu):
     T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
     check_cu_seqlens_values(cu_seqlens, T)
@@ -83,7 +84,7 @@ def short_conv_bwd(
     return pytorch_short_conv.short_conv_bwd(dy, x, weight, bias, cu_seqlens, initial_state, silu)
 
 
-@short_conv_bwd.register_kernel("cuda")
+@cuda_kernel("short_conv_bwd")
 def _short_conv_bwd_cuda(dy, x, weight, bias, cu_seqlens, initial_state, silu):
     T = check_short_conv(x, weight, bias, cu_seqlens, initial_state)[0]
     check_cu_seqlens_values(cu_seqlens, T)
