@@ -66,9 +66,10 @@ def check_cu_seqlens_values(cu_seqlens: torch.Tensor, T: int) -> None:
         torch._assert_async(ok, msg)
 
 
-def check_gdn(q, k, v, g, beta, cu_seqlens, initial_state):
-    """Validates a GDN call in the packed layout; returns (T, H, K, HV, V, N)."""
-    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+def check_gdn(q, k, v, g, beta, cu_seqlens, initial_state, v_name: str = "v"):
+    """Validates a GDN call in the packed layout; returns (T, H, K, HV, V, N). ``v_name``:
+    what the errors call ``v`` (an op that takes do in its place: do has v's shape)."""
+    for name, x in (("q", q), ("k", k), (v_name, v), ("g", g), ("beta", beta)):
         if not isinstance(x, torch.Tensor):
             _fail(TypeError, f"{name} must be a tensor, got {type(x).__name__}")
     device = q.device
@@ -76,18 +77,19 @@ def check_gdn(q, k, v, g, beta, cu_seqlens, initial_state):
         _fail(ValueError, f"q must be [T, H, K] (packed), got shape {tuple(q.shape)}")
     T, H, K = q.shape
     _check_dtype("q", q, QKV_DTYPES)
-    for name, x in (("k", k), ("v", v)):
+    for name, x in (("k", k), (v_name, v)):
         _check_device(name, x, device)
         if x.dtype != q.dtype:
             _fail(TypeError, f"{name} must have the dtype of q ({q.dtype}), got {x.dtype}")
     _check_shape("k", k, (T, H, K), "[T, H, K]")
     if v.dim() != 3 or v.shape[0] != T:
-        _fail(ValueError, f"v must be [T, HV, V] with T = {T}, got shape {tuple(v.shape)}")
+        _fail(ValueError, f"{v_name} must be [T, HV, V] with T = {T}, got shape {tuple(v.shape)}")
     HV, V = v.shape[1], v.shape[2]
     if H == 0 or HV % H != 0:
-        _fail(ValueError, f"the value heads HV = {HV} (v.shape[1]) must be a multiple of the q/k heads H = {H}")
+        _fail(ValueError, f"the value heads HV = {HV} ({v_name}.shape[1]) must be a multiple of the q/k heads H = {H}")
     if K == 0 or V == 0:
-        _fail(ValueError, f"the head dims K = q.shape[-1] and V = v.shape[-1] must be positive, got K = {K}, V = {V}")
+        _fail(ValueError, f"the head dims K = q.shape[-1] and V = {v_name}.shape[-1] must be positive, got K = {K}, "
+              f"V = {V}")
     _check_device("g", g, device)
     _check_dtype("g", g, (torch.float32,))
     _check_shape("g", g, (T, HV), "[T, HV]")

@@ -1,4 +1,5 @@
-"""Fake kernels of ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` and ``cake::gdn_bwd``."""
+"""Fake kernels of ``cake::gdn_fwd``, ``cake::gdn_fwd_full``, ``cake::gdn_bwd`` and
+``cake::gdn_bwd_initial_state``."""
 
 import torch
 
@@ -40,3 +41,11 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
         torch.empty_like(beta, memory_format=torch.contiguous_format),
         q.new_empty(N, HV, K, V, dtype=torch.float32),
     )
+
+
+@torch.library.register_fake("cake::gdn_bwd_initial_state")
+def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic):
+    T, H, K, HV, V, N = check_gdn(q, k, do, g, beta, cu_seqlens, None, v_name="do")
+    check_gdn_grads(do, dht, T, HV, V, N, K)
+    check_scale(scale)
+    return q.new_empty(N, HV, K, V, dtype=torch.float32)

@@ -121,6 +121,15 @@ class KcpContext:
         return max(count)
 
     @functools.cached_property
+    def sink_slots(self) -> int:
+        """The most sink fragments (preceded by another of their document) a rank holds."""
+        count = [0] * self.world
+        for frags in self.doc_fragments:
+            for r, _ in frags[1:]:
+                count[r] += 1
+        return max(count)
+
+    @functools.cached_property
     def last_slots(self) -> int:
         """The most document-last fragments a rank holds."""
         count = [0] * self.world
@@ -182,16 +191,16 @@ def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, outp
                    conv_channels: int | None = None) -> dict[str, int]:
     """Bytes each rank puts into each collective of one ``gdn_kcp`` forward+backward with
     HV value heads of dims K, V (and, with ``conv_channels`` = D, one ``short_conv_kcp``
-    of D channels), by collective: the forward's all-gathers (each rank receives W times
-    its input) and the backward's all-to-alls of W blocks (the gradients of the final
-    states and of the short convolution's tails, the adjoints of their gathers; of the
-    summaries only ``E``'s, the gradient of a source's end state). The same on every
-    rank, and independent of the sequence length: only the plan's slot counts enter. A
-    collective the plan does not need is absent."""
+    of D channels), by collective: the all-gathers (each rank receives W times its
+    input: the forward's summaries, final states and conv tails; the backward's start-state
+    gradients of the sink fragments) and the backward's all-to-alls of W blocks (the
+    gradients of the final states and of the conv tails, the adjoints of their gathers).
+    The same on every rank, and independent of the sequence length: only the plan's slot
+    counts enter. A collective the plan does not need is absent."""
     out = {}
     if ctx.source_slots:
         out["gdn summaries, forward all-gather"] = ctx.source_slots * HV * K * (V + K) * 4
-        out["gdn summaries, backward all-to-all"] = ctx.world * ctx.source_slots * HV * K * V * 4
+        out["gdn sink start-state gradients, backward all-gather"] = ctx.sink_slots * HV * K * V * 4
     if output_final_state:
         out["gdn final states, forward all-gather"] = ctx.last_slots * HV * K * V * 4
         out["gdn final states, backward all-to-all"] = ctx.world * out["gdn final states, forward all-gather"]
@@ -203,23 +212,34 @@ def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, outp
 
 @dataclasses.dataclass(frozen=True)
 class ChainTables:
-    """Index tensors (int64) of ``gdn_kcp``'s exchange and chain.
+    """Index tensors (int64) of ``gdn_kcp``'s exchanges and chain.
 
     ``source_rows``, ``source_cu_seqlens``: this rank's source fragments (those followed
     by another fragment of their document: their summaries are exchanged) as a packed
-    sub-batch of its rows; ``source_fragments``: their local fragment indices; ``steps[p]``: (the documents with a p-th source, those
-    sources' flat slots rank * source_slots + j in the gathered summaries);
-    ``local_starts``: per local fragment, its start state's row among [the N initial
-    states, the states the steps produce in step order, a zero state]; ``last_slots``:
-    this rank's document-last fragments (their final states are exchanged);
-    ``final_rows``: per document, its final state's row among [every rank's gathered
-    last-fragment final states (W * last_slots), the N initial states]."""
+    sub-batch of its rows; ``sink_rows``, ``sink_cu_seqlens``, ``sink_fragments``: its sink
+    fragments (those preceded by another of their document: their start states'
+    gradients are exchanged in the backward), the same way, and their local fragment
+    indices; ``steps[p]``: (the documents with a p-th source, those sources' flat slots
+    rank * source_slots + j in the gathered summaries, the flat slots rank * sink_slots + j
+    of the fragments after them in the gathered sink gradients); ``local_starts``: per
+    local fragment, its start state's row among [the N initial states, the states the
+    steps produce in step order, a zero state]; ``local_sources``: per local fragment, its
+    flat source slot, or -1; ``first_fragments``, ``first_docs``: the local fragments that
+    start a document, and those documents; ``last_slots``: this rank's document-last
+    fragments (their final states are exchanged); ``final_rows``: per document, its final
+    state's row among [every rank's gathered last-fragment final states (W *
+    last_slots), the N initial states]."""
 
     source_rows: torch.Tensor
     source_cu_seqlens: torch.Tensor
-    source_fragments: torch.Tensor
-    steps: tuple[tuple[torch.Tensor, torch.Tensor], ...]
+    sink_rows: torch.Tensor
+    sink_cu_seqlens: torch.Tensor
+    sink_fragments: torch.Tensor
+    steps: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     local_starts: torch.Tensor
+    local_sources: torch.Tensor
+    first_fragments: torch.Tensor
+    first_docs: torch.Tensor
     last_slots: torch.Tensor
     final_rows: torch.Tensor
 
@@ -227,13 +247,17 @@ class ChainTables:
 def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
     per_doc = ctx.doc_fragments  # (rank, slot) per fragment, in token order
     source_index = {}  # (rank, slot) -> flat slot among the gathered source summaries
+    sink_index = {}  # (rank, slot) -> flat slot among the gathered sink start-state gradients
     last_index = {}  # (rank, slot) -> flat slot among the gathered final states
     for r in range(ctx.world):
         sources = [rs for frags in per_doc for rs in frags[:-1] if rs[0] == r]
+        sinks = [rs for frags in per_doc for rs in frags[1:] if rs[0] == r]
         lasts = [frags[-1] for frags in per_doc if frags and frags[-1][0] == r]
         source_index.update({rs: r * ctx.source_slots + j for j, rs in enumerate(sorted(sources))})
+        sink_index.update({rs: r * ctx.sink_slots + j for j, rs in enumerate(sorted(sinks))})
         last_index.update({rs: r * ctx.last_slots + j for j, rs in enumerate(sorted(lasts))})
     N = ctx.documents
+    as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
     steps, start_row, rows = [], {}, N
     for d, frags in enumerate(per_doc):
         if frags:
@@ -243,23 +267,29 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
         for i, d in enumerate(docs):
             start_row[per_doc[d][p + 1]] = rows + i
         rows += len(docs)
-        steps.append((torch.tensor(docs, dtype=torch.int64, device=device),
-                      torch.tensor([source_index[per_doc[d][p]] for d in docs], dtype=torch.int64, device=device)))
+        steps.append((as_index(docs), as_index([source_index[per_doc[d][p]] for d in docs]),
+                      as_index([sink_index[per_doc[d][p + 1]] for d in docs])))
     frags = ctx.fragments[ctx.rank]
     offsets = [0]
     for f in frags:
         offsets.append(offsets[-1] + f.tokens)
-    mine = sorted(s for (r, s) in source_index if r == ctx.rank)
-    source_rows = [t for s in mine for t in range(offsets[s], offsets[s + 1])]
-    source_cu = [0]
-    for s in mine:
-        source_cu.append(source_cu[-1] + frags[s].tokens)
+
+    def sub_batch(slots):
+        rows_, cu = [], [0]
+        for s in slots:
+            rows_ += range(offsets[s], offsets[s + 1])
+            cu.append(cu[-1] + frags[s].tokens)
+        return as_index(rows_), as_index(cu, torch.int32)
+
+    my_sources = sorted(s for (r, s) in source_index if r == ctx.rank)
+    my_sinks = sorted(s for (r, s) in sink_index if r == ctx.rank)
+    firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]
     final_rows = [last_index[f[-1]] if f else ctx.world * ctx.last_slots + d for d, f in enumerate(per_doc)]
-    as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
     return ChainTables(
-        source_rows=as_index(source_rows), source_cu_seqlens=as_index(source_cu, torch.int32),
-        source_fragments=as_index(mine), steps=tuple(steps),
+        *sub_batch(my_sources), *sub_batch(my_sinks), sink_fragments=as_index(my_sinks), steps=tuple(steps),
         local_starts=as_index([start_row.get((ctx.rank, s), rows) for s in range(len(frags))]),
+        local_sources=as_index([source_index.get((ctx.rank, s), -1) for s in range(len(frags))]),
+        first_fragments=as_index([s for s, _ in firsts]), first_docs=as_index([d for _, d in firsts]),
         last_slots=as_index(sorted(s for (r, s) in last_index if r == ctx.rank)), final_rows=as_index(final_rows))
 
 

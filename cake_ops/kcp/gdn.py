@@ -13,17 +13,19 @@ ops in the same order on every rank), and each rank walks all its fragments from
 chained start states for the outputs and, for the documents that end on it, the final
 states, which a second all-gather gives every rank.
 
-The backward (``_GdnKcp.backward``) runs the mirror in a fixed order on every rank, so
-that the ranks meet in the same collectives whatever their fragments: the final states'
+The backward (``_GdnKcp.backward``) runs in a fixed order on every rank, so that the
+ranks meet in the same collectives whatever their fragments: the final states'
 gradients to the ranks holding the documents' last fragments (the gathers' adjoint, an
-all-to-all summed in rank order: ``collectives``), the finishing walk's GDN backward, the
-chain's adjoint in fp32 (every rank forms, from its own start states' gradients, the
-gradient of the state at every source's end), those gradients to the sources' ranks, and
-one more GDN backward over the sources: their walk from the chained start states with
-that end gradient and no output gradient. Its parameter gradients are those of
-``<dS_end, M S_start + E>``, the summaries' gradients taken through one walk instead of
-the walks for ``E`` and ``M`` each (its start-state gradient, ``Mᵀ dS_end``, is the
-chain adjoint's own and is dropped).
+all-to-all summed in rank order: ``collectives``); each *sink* fragment's (one that
+follows another of its document) start-state gradient ``F`` from its own outputs and end
+gradient (``cake::gdn_bwd_initial_state``: the reverse walk alone), all-gathered; the
+chain's adjoint in fp32, the same on every rank, giving every source's end-state
+gradient (its next fragment's ``F`` plus, where that is a source too, ``Mᵀ`` of its own
+end's gradient); and one ``cake::gdn_bwd`` over all the rank's fragments from their
+chained start states with those end gradients. A source's summaries need no backward
+of their own: the gradient of ``<dS_end, M S_start + E>`` is that of its walk's end
+state, which that one backward takes. Each fragment runs one backward; a sink also the
+reverse walk for ``F``.
 
 The initial and final states are replicated: every rank passes the same
 ``initial_state`` and receives the same final states; their gradients are partial, each
@@ -51,7 +53,7 @@ def _chain(E, M, S0, tables):
     initial states ``S0``: each document's fragments in token order, batched over the
     documents by the fragment's place in its document."""
     S, produced = S0, [S0]
-    for docs, flats in tables.steps:
+    for docs, flats, _ in tables.steps:
         S_next = torch.matmul(M.index_select(0, flats), S.index_select(0, docs)) + E.index_select(0, flats)
         produced.append(S_next)
         S = S.index_copy(0, docs, S_next)
@@ -59,22 +61,22 @@ def _chain(E, M, S0, tables):
     return torch.cat(produced).index_select(0, tables.local_starts)
 
 
-def _chain_adjoint(dstarts, M, S0, tables):
-    """(dE, dS0) of ``_chain`` given its start states' gradient, in fp32, the steps in
-    reverse. ``dE`` of a source is the gradient of the state at its end (``E`` enters that
-    state additively), which is all its backward walk needs (module docstring); the
-    gradient of ``M`` is not formed."""
-    rows = [S0.shape[0]] + [docs.shape[0] for docs, _ in tables.steps] + [1]
-    dproduced = dstarts.new_zeros(sum(rows), *S0.shape[1:]).index_copy(0, tables.local_starts, dstarts)
-    dproduced = list(dproduced.split(rows))
-    dS = torch.zeros_like(S0)  # the gradient of the state after the last step: unused
-    dE = M.new_zeros(*M.shape[:-1], S0.shape[-1])
-    for p in reversed(range(len(tables.steps))):
-        docs, flats = tables.steps[p]
-        dnext = dproduced[p + 1] + dS.index_select(0, docs)
-        dE = dE.index_copy(0, flats, dnext)
-        dS = dS.index_copy(0, docs, torch.matmul(M.index_select(0, flats).transpose(-1, -2), dnext))
-    return dE, dS + dproduced[0]
+def _chain_adjoint(F, M, documents: int, tables):
+    """The gradient of the state at every source's end [W * source_slots, HV, K, V] (fp32,
+    the steps in reverse) from every rank's sink start-state gradients ``F`` [W *
+    sink_slots, ..] (the backward's walk of each sink from its end gradient, or from zero
+    where a source follows it) and the transfers ``M``: a source's end is its next
+    fragment's start, whose gradient is that fragment's ``F`` plus, where it is a source
+    itself, ``Mᵀ`` of its own end's gradient."""
+    dend = F.new_zeros(M.shape[0], *F.shape[1:])
+    # Per document, Mᵀ dS_end of the source of the step after the current one (zero where
+    # the document has none: a step's documents include the next step's).
+    carried = F.new_zeros(documents, *F.shape[1:])
+    for docs, sources, sinks in reversed(tables.steps):
+        d = F.index_select(0, sinks) + carried.index_select(0, docs)
+        dend = dend.index_copy(0, sources, d)
+        carried = carried.index_copy(0, docs, torch.matmul(M.index_select(0, sources).transpose(-1, -2), d))
+    return dend
 
 
 class _GdnKcp(torch.autograd.Function):
@@ -104,7 +106,7 @@ class _GdnKcp(torch.autograd.Function):
             o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk)
         else:
             (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk), None
-        fctx.kcp, fctx.walk, fctx.sources = kcp, walk, sources
+        fctx.kcp, fctx.walk = kcp, walk
         fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
         # The backward's chain adjoint reads the transfers only (a copy: not the gathered E
         # beside them); the source sub-batch is formed again there, not kept.
@@ -117,39 +119,42 @@ class _GdnKcp(torch.autograd.Function):
 
     @staticmethod
     def backward(fctx, do, dfinal):
-        kcp, walk, sources = fctx.kcp, fctx.walk, fctx.sources
+        kcp, walk = fctx.kcp, fctx.walk
         q, k, v, g, beta, starts, M_all, S0, tapes = fctx.saved_tensors
         tables = kcp.chain_tables(q.device)
         do = torch.zeros_like(v) if do is None else do
         dS0 = torch.zeros_like(S0)
-        dht = None
+        # Each local fragment's end gradient: the final states' (document-last fragments)
+        # or, for a source, its next fragment's start gradient (below).
+        dht = torch.zeros_like(starts)
         if fctx.output_final_state:
             dfinal = torch.zeros_like(S0) if dfinal is None else dfinal
             pool = kcp.world * kcp.last_slots
             dcat = dfinal.new_zeros(pool + S0.shape[0], *S0.shape[1:]).index_copy(0, tables.final_rows, dfinal)
             mine = collectives.gather_adjoint(dcat[:pool], kcp)[: tables.last_slots.shape[0]]
-            dht = torch.zeros_like(starts).index_copy(0, tables.last_slots, mine)
+            dht = dht.index_copy(0, tables.last_slots, mine)
             dS0 = dS0 + dcat[pool:]
+        if kcp.sink_slots:
+            # The sinks' start-state gradients from their own outputs and end gradients
+            # (no source's is needed: a sink's end is a document's last token or a source's
+            # end, whose gradient reaches it through the chain below), to every rank.
+            F = q.new_zeros(0, *starts.shape[1:], dtype=torch.float32)
+            if tables.sink_fragments.numel():
+                rows = tables.sink_rows
+                F = torch.ops.cake.gdn_bwd_initial_state(
+                    do.index_select(0, rows), dht.index_select(0, tables.sink_fragments).contiguous(),
+                    *(x.index_select(0, rows) for x in (q, k, g, beta)), tables.sink_cu_seqlens, *walk)
+            F_all = collectives.gather(_padded(F, kcp.sink_slots), kcp)
+            dend = _chain_adjoint(F_all, M_all, kcp.documents, tables)
+            is_source = tables.local_sources >= 0
+            picked = dend.index_select(0, tables.local_sources.clamp(min=0))
+            dht = torch.where(is_source[:, None, None, None], picked, dht)
+        # One backward over every fragment, from its chained start state with its end
+        # gradient: a source's summaries' gradients come with it (the gradient of
+        # <dS_end, M S_start + E> is that of its walk's end state).
         dq, dk, dv, dg, dbeta, dstarts = torch.ops.cake.gdn_bwd(do, dht, q, k, v, g, beta, kcp.cu_seqlens, starts,
                                                                 *walk, tapes)
-        dE, dS0_chain = _chain_adjoint(dstarts, M_all, S0, tables)
-        dS0 = dS0 + dS0_chain
-        if kcp.source_slots:
-            dend = collectives.gather_adjoint(dE, kcp)
-            if sources:
-                # The sources' walks again, from their chained start states, with the total
-                # gradient of their end states and no output gradient: the gradient of
-                # <dend, M S_start + E> through the summaries (the start states' gradient
-                # that walk gives is the chain's M^T dend, already counted: dropped).
-                cu, rows = tables.source_cu_seqlens, tables.source_rows
-                sub = [x.index_select(0, rows) for x in (q, k, v, g, beta)]
-                grads = torch.ops.cake.gdn_bwd(torch.zeros_like(sub[2]), dend[:sources].contiguous(), *sub, cu,
-                                               starts.index_select(0, tables.source_fragments), *walk)
-                dq = dq.index_add(0, rows, grads[0])
-                dk = dk.index_add(0, rows, grads[1])
-                dv = dv.index_add(0, rows, grads[2])
-                dg = dg.index_add(0, rows, grads[3])
-                dbeta = dbeta.index_add(0, rows, grads[4])
+        dS0 = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
         dh0 = dS0 if fctx.has_initial else None
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
 

@@ -1,5 +1,6 @@
-"""The GDN ops ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` / ``cake::gdn_bwd`` and the user
-entry point ``gdn``.
+"""The GDN ops ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` / ``cake::gdn_bwd``,
+``cake::gdn_bwd_initial_state`` (the initial states' gradient alone, for KCP) and the
+user entry point ``gdn``.
 
 The ops work in the packed layout (q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV];
 ``cu_seqlens`` [N+1] on the device). ``cake::gdn_fwd`` carries the autograd formula, so
@@ -302,6 +303,54 @@ def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, u
     kept = tapes if tapes is not None and tapes.numel() > 0 else None
     return _launch("gdn_bwd", graph, (do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                       deterministic, -1, -1, -1, kept))
+
+
+@torch.library.custom_op("cake::gdn_bwd_initial_state", mutates_args=())
+def gdn_bwd_initial_state(
+    do: torch.Tensor,
+    dht: torch.Tensor | None,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    deterministic: bool,
+) -> torch.Tensor:
+    """The initial states' gradient alone: dh0 [N, HV, K, V] fp32, bitwise the dh0 of
+    ``cake::gdn_bwd`` on the same arguments. The state gradient's walk back reads q, k,
+    the gates, do and dht only (its recursion holds no state: docs/math.md), so this op
+    takes no v and no initial state, and runs the backward's prep and reverse walk
+    without the tape walk and the chunk-local gradients. KCP's backward uses it for the
+    fragments that follow another of their document (cake_ops/kcp/gdn.py)."""
+    return _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic)
+
+
+def _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic):
+    _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale)
+    check_cu_seqlens_values(cu_seqlens, q.shape[0])
+    effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
+    return pytorch_gdn.gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm)
+
+
+def _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale) -> None:
+    # do stands in v's place for the shapes: it has v's.
+    T, H, K, HV, V, N = check_gdn(q, k, do, g, beta, cu_seqlens, None, v_name="do")
+    check_gdn_grads(do, dht, T, HV, V, N, K)
+    check_scale(scale)
+
+
+@cuda_kernel("gdn_bwd_initial_state")
+def _gdn_bwd_initial_state_cuda(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic):
+    _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale)
+    if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, do, g, beta, cu_seqlens, scale) is not None:
+        return _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
+                                              deterministic)
+    from .. import build
+
+    return build.load().gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
+                                              effective_deterministic(deterministic), -1, -1)
 
 
 def _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm):

@@ -73,9 +73,10 @@ def _per_qk_head(x: torch.Tensor, G: int) -> torch.Tensor:
 
 def prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm) -> tuple[Prepared, tuple | None]:
     """The per-chunk tensors that do not depend on the state (the CUDA prep's outputs,
-    gcum and A, among them), and the L2 norm's (q, 1/|q|, k, 1/|k|) when applied."""
+    gcum and A, among them), and the L2 norm's (q, 1/|q|, k, 1/|k|) when applied. With v
+    None (the state gradient's walk alone, which never reads v) ``v`` and ``u`` are None."""
     T, H, K = q.shape
-    HV = v.shape[1]
+    HV = g.shape[1]
     G = HV // H
     layout = chunk_layout(cu_seqlens, T, CHUNK)
     qf, kf = q.float(), k.float()
@@ -88,7 +89,7 @@ def prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm) -> tuple[Prepared, tupl
     kk = _per_value_head(kc @ kc.transpose(-1, -2), G)
     qk = _per_value_head(qc @ kc.transpose(-1, -2), G)
     qc, kc = _per_value_head(qc, G), _per_value_head(kc, G)
-    vc = to_chunks(v.float(), layout)
+    vc = to_chunks(v.float(), layout) if v is not None else None
     bc = to_chunks(beta.float()[..., None], layout)[..., 0]  # [NC, HV, C]
     gcum = to_chunks(g.clamp(min=GATE_FLOOR)[..., None], layout)[..., 0].cumsum(-1)
     C = CHUNK
@@ -99,7 +100,7 @@ def prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm) -> tuple[Prepared, tupl
     eye = torch.eye(C, device=q.device)
     A = torch.linalg.solve_triangular(eye + L, eye.expand_as(L), upper=False, unitriangular=True)
     w = A @ ((bc * gcum.exp())[..., None] * kc)
-    u = A @ (bc[..., None] * vc)
+    u = A @ (bc[..., None] * vc) if v is not None else None
     k_decayed = (gcum[..., -1:] - gcum).exp()[..., None] * kc
     prep = Prepared(layout, qc, kc, vc, bc, gcum, decay, kk, qk, A, w, u, k_decayed)
     return prep, rstd
@@ -165,20 +166,30 @@ def reverse_step_terms(prep: Prepared, do, scale):
 def walk_tapes(prep: Prepared, do, dht, initial_state, scale) -> Tapes:
     """The sequential part of the backward: the state walk forward (h, v_new) and the
     state gradient's walk back (dS_end, dv_new, dh0)."""
-    lay = prep.layout
-    N = lay.doc_first_slot.shape[0]
+    N = prep.layout.doc_first_slot.shape[0]
     HV, K, V = prep.gcum.shape[1], prep.w.shape[-1], prep.u.shape[-1]
     h0 = initial_state.float() if initial_state is not None else prep.u.new_zeros(N, HV, K, V)
     h, v_new, _ = _walk(prep, h0)
-    dht = dht.float() if dht is not None else h0.new_zeros(N, HV, K, V)
+    return Tapes(h, v_new, *reverse_walk(prep, do, dht, scale))
+
+
+def reverse_walk(prep: Prepared, do, dht, scale) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The state gradient's walk back over the chunk slots: (dS_end [NC, HV, K, V],
+    dv_new [NC, HV, C, V], dh0 [N, HV, K, V]). It reads q, k, the gates and do, never v
+    or the states: dS's recursion has no state in it."""
+    lay = prep.layout
+    N = lay.doc_first_slot.shape[0]
+    NC, HV, C = prep.gcum.shape
+    K, V = prep.w.shape[-1], do.shape[-1]
+    dht = dht.float() if dht is not None else prep.w.new_zeros(N, HV, K, V)
     dv_new_local, dS_from_o, gamma = reverse_step_terms(prep, do, scale)
 
-    # Reverse walk: dS is the gradient of the state at the end of a chunk.
-    dS_end = torch.empty_like(h)
-    dv_new = torch.empty_like(v_new)
+    # dS is the gradient of the state at the end of a chunk.
+    dS_end = prep.w.new_empty(NC, HV, K, V)
+    dv_new = prep.w.new_empty(NC, HV, C, V)
     dht_slot = dht[lay.doc]
-    dS = h.new_zeros(HV, K, V)
-    for c in range(h.shape[0] - 1, -1, -1):
+    dS = prep.w.new_zeros(HV, K, V)
+    for c in range(NC - 1, -1, -1):
         dS = torch.where(lay.last[c], dht_slot[c], dS)
         dS_end[c] = dS
         dv_new[c] = dv_new_local[c] + prep.k_decayed[c] @ dS
@@ -187,7 +198,14 @@ def walk_tapes(prep: Prepared, do, dht, initial_state, scale) -> Tapes:
     f = lay.doc_first_slot
     dS_start = dS_from_o[f] + gamma[f][..., None, None] * dS_end[f] - prep.w[f].transpose(-1, -2) @ dv_new[f]
     dh0 = torch.where(lay.doc_nonempty[:, None, None, None], dS_start, dht)
-    return Tapes(h, v_new, dS_end, dv_new, dh0)
+    return dS_end, dv_new, dh0
+
+
+def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm):
+    """The initial states' gradient alone (``cake::gdn_bwd_initial_state``): dh0 [N, HV,
+    K, V] fp32, bitwise ``gdn_bwd``'s."""
+    prep, _ = prepare(q, k, None, g, beta, cu_seqlens, use_qk_l2norm)
+    return reverse_walk(prep, do, dht, scale)[2].contiguous()
 
 
 def local_gradients(prep: Prepared, rstd, tapes: Tapes, do, scale, G: int):

@@ -574,6 +574,80 @@ class SideStream {
   cudaEvent_t fork_ = nullptr, join_ = nullptr;
 };
 
+// The checks of a backward's do (o's gradient: bf16 [T, HV, V]) and dht (the final
+// state's: fp32 [N, HV, K, V], or none).
+void check_gdn_grads(const char* op, const GdnShapes& s, const at::Tensor& dout, const std::optional<at::Tensor>& dht,
+                     const at::Tensor& q) {
+  constexpr int64_t D = kGdnHeadDim;
+  TORCH_CHECK(dout.sizes() == at::IntArrayRef({s.T, s.HV, D}), op, ": do must be [T, HV, V] = [", s.T, ", ", s.HV,
+              ", 128], got ", dout.sizes());
+  TORCH_CHECK(dout.scalar_type() == at::kBFloat16, op, ": do must be bfloat16, got ", dout.scalar_type());
+  check_same_device(dout, q, op, "do", "q");
+  if (dht) {
+    TORCH_CHECK(dht->sizes() == at::IntArrayRef({s.N, s.HV, D, D}), op, ": dht must be [N, HV, K, V] = [", s.N, ", ",
+                s.HV, ", 128, 128], got ", dht->sizes());
+    TORCH_CHECK(dht->scalar_type() == at::kFloat, op, ": dht must be float32, got ", dht->scalar_type());
+    check_same_device(*dht, q, op, "dht", "q");
+  }
+}
+
+// The reverse walk's arguments for one head slice (first value head hv0) of a backward
+// whose recompute args are `f`: dv_new to `dv_new` (the slice's first head), dh0 to
+// `dh0`'s rows of the slice. The forward's cut grid; the cuts' workspaces are the
+// backward's own where the walk runs beside the recompute's (`beside_recompute`), else
+// the forward's seg_ pieces (bwd_walk.h).
+GdnBwdWalkArgs reverse_walk_args(const GdnPlan& plan, const GdnFwdArgs& f, unsigned char* ws, bool beside_recompute,
+                                 const at::Tensor& dout, const at::Tensor& dht, int64_t hv0, void* dv_new,
+                                 const at::Tensor& dh0, double scale) {
+  constexpr int64_t D = kGdnHeadDim;
+  const bool inner = plan.inner_slots > 0;
+  GdnBwdWalkArgs r{};
+  r.q = f.q;
+  r.k = f.k;
+  r.dout = heads_on<const void>(dout.data_ptr(), hv0, D, 2);
+  r.a = f.a;
+  r.gcum = f.gcum;
+  r.chunk_beta = f.chunk_beta;
+  r.qk_lrn = f.qk_lrn;
+  r.dht = dht.defined() ? heads_on<const float>(dht.data_ptr<float>(), hv0, D * D, 4) : nullptr;
+  r.chunk_offsets = f.chunk_offsets;
+  r.cu_seqlens = f.cu_seqlens;
+  r.cu_int64 = f.cu_int64;
+  r.dS = ws + plan.ws.dS_tape;
+  r.dv_new = dv_new;
+  r.dh0 = heads_on(dh0.data_ptr<float>(), hv0, D * D, 4);
+  r.seg_offsets = f.seg_offsets;
+  r.chunk_decay = f.chunk_decay;
+  r.seg_grad = !inner ? nullptr : beside_recompute ? reinterpret_cast<float*>(ws + plan.ws.bwd_seg_grad) : f.seg_state;
+  r.seg_transfer = !inner ? nullptr
+                   : beside_recompute ? reinterpret_cast<float*>(ws + plan.ws.bwd_seg_transfer)
+                                      : f.seg_transfer;
+  r.seg_exact = !inner ? nullptr
+                : beside_recompute ? reinterpret_cast<int32_t*>(ws + plan.ws.bwd_seg_exact)
+                                   : f.seg_exact;
+  r.seg_chunks = f.seg_chunks;
+  r.seg_long_max = f.seg_long_max;
+  r.inner_slots = plan.inner_slots;
+  set_stage_shapes(r, f, scale);
+  r.value_splits = f.walk_splits;
+  r.summary_splits = f.summary_splits;
+  return r;
+}
+
+// A head slice's forward args: its first q/k head h0 and value head hv0, the tensors'
+// pointers there, with the rows' strides of all heads (GdnFwdCoreArgs::H_stride).
+GdnFwdArgs head_slice_args(const GdnFwdArgs& all, int64_t h0, int64_t hv0, int64_t beta_bytes) {
+  constexpr int64_t D = kGdnHeadDim;
+  GdnFwdArgs f = all;
+  f.q = heads_on(f.q, h0, D, 2);
+  f.k = heads_on(f.k, h0, D, 2);
+  f.v = heads_on(f.v, hv0, D, 2);
+  f.g = heads_on(f.g, hv0, 1, 4);
+  f.beta = heads_on(f.beta, hv0, 1, beta_bytes);
+  f.initial_state = heads_on(f.initial_state, hv0, D * D, 4);
+  return f;
+}
+
 // The whole backward (docs/kernels.md, "Backward"): per head slice (the plan's; docs/kernels.md,
 // "Head slices"), the recompute of the forward's tapes with the forward's own plan
 // (gdn_bwd_tapes_launch), the reverse walk of the state gradient (the dS tape, dv_new,
@@ -597,16 +671,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   constexpr const char* op = "gdn_bwd";
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
-  TORCH_CHECK(dout.sizes() == at::IntArrayRef({s.T, s.HV, D}), op, ": do must be [T, HV, V] = [", s.T, ", ", s.HV,
-              ", 128], got ", dout.sizes());
-  TORCH_CHECK(dout.scalar_type() == at::kBFloat16, op, ": do must be bfloat16, got ", dout.scalar_type());
-  check_same_device(dout, q, op, "do", "q");
-  if (dht) {
-    TORCH_CHECK(dht->sizes() == at::IntArrayRef({s.N, s.HV, D, D}), op, ": dht must be [N, HV, K, V] = [", s.N, ", ",
-                s.HV, ", 128, 128], got ", dht->sizes());
-    TORCH_CHECK(dht->scalar_type() == at::kFloat, op, ": dht must be float32, got ", dht->scalar_type());
-    check_same_device(*dht, q, op, "dht", "q");
-  }
+  check_gdn_grads(op, s, dout, dht, q);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   if (tapes) {
     const int64_t bytes = gdn_chunk_layout(s.T, s.N, s.H, s.HV, use_qk_l2norm, /*with_tapes=*/true).bytes;
@@ -635,19 +700,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   // Kept tapes: nothing to run beside the reverse walk.
   std::optional<SideStream> side;
   if (!tapes) side.emplace(q.device().index(), stream);
-  const bool inner = plan.inner_slots > 0;
 
   for (int slice = 0; slice < plan.head_slices; ++slice) {
-    // The slice's first q/k head and value head; its tensors' pointers start there, with
-    // the rows' strides of all heads (GdnFwdCoreArgs::H_stride).
     const int64_t h0 = slice * plan.H, hv0 = slice * plan.HV;
-    GdnFwdArgs f = c.args;
-    f.q = heads_on(f.q, h0, D, 2);
-    f.k = heads_on(f.k, h0, D, 2);
-    f.v = heads_on(f.v, hv0, D, 2);
-    f.g = heads_on(f.g, hv0, 1, 4);
-    f.beta = heads_on(f.beta, hv0, 1, beta_bytes);
-    f.initial_state = heads_on(f.initial_state, hv0, D * D, 4);
+    const GdnFwdArgs f = head_slice_args(c.args, h0, hv0, beta_bytes);
     // Kept tapes: only the plan kernel's offsets (the backward's own plan: its cut grid
     // may differ from the forward's where the SM count does).
     if (tapes)
@@ -655,34 +711,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     else
       launch_stage(op, "cake::gdn_bwd/tapes_prep", gdn_bwd_tapes_prep_launch, f, stream);
 
-    GdnBwdWalkArgs r{};
-    r.q = f.q;
-    r.k = f.k;
-    r.dout = heads_on<const void>(dout_c.data_ptr(), hv0, D, 2);
-    r.a = f.a;
-    r.gcum = f.gcum;
-    r.chunk_beta = f.chunk_beta;
-    r.qk_lrn = f.qk_lrn;
-    r.dht = dht_c.defined() ? heads_on<const float>(dht_c.data_ptr<float>(), hv0, D * D, 4) : nullptr;
-    r.chunk_offsets = f.chunk_offsets;
-    r.cu_seqlens = f.cu_seqlens;
-    r.cu_int64 = f.cu_int64;
-    r.dS = ws + plan.ws.dS_tape;
-    r.dv_new = heads_on(dv.data_ptr(), hv0, D, 2);
-    r.dh0 = heads_on(dh0.data_ptr<float>(), hv0, D * D, 4);
-    // The forward's cut grid; the cuts' workspaces are the backward's own beside the
-    // recompute, else the forward's seg_ pieces (bwd_walk.h).
-    r.seg_offsets = f.seg_offsets;
-    r.chunk_decay = f.chunk_decay;
-    r.seg_grad = !inner ? nullptr : side ? reinterpret_cast<float*>(ws + plan.ws.bwd_seg_grad) : f.seg_state;
-    r.seg_transfer = !inner ? nullptr : side ? reinterpret_cast<float*>(ws + plan.ws.bwd_seg_transfer) : f.seg_transfer;
-    r.seg_exact = !inner ? nullptr : side ? reinterpret_cast<int32_t*>(ws + plan.ws.bwd_seg_exact) : f.seg_exact;
-    r.seg_chunks = f.seg_chunks;
-    r.seg_long_max = f.seg_long_max;
-    r.inner_slots = plan.inner_slots;
-    set_stage_shapes(r, f, scale);
-    r.value_splits = f.walk_splits;
-    r.summary_splits = f.summary_splits;
+    const GdnBwdWalkArgs r = reverse_walk_args(plan, f, ws, side.has_value(), dout_c, dht_c, hv0,
+                                               heads_on(dv.data_ptr(), hv0, D, 2), dh0, scale);
     if (side) {
       side->fork();
       launch_stage(op, "cake::gdn_bwd/reverse_walk", gdn_bwd_walk_launch, r, side->stream());
@@ -720,6 +750,41 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     launch_stage(op, "cake::gdn_bwd/local", gdn_bwd_local_launch, l, stream);
   }
   return {dq, dk, dv, dg, dbeta, dh0};
+}
+
+// The initial states' gradient alone (cake::gdn_bwd_initial_state): per head slice the
+// backward's prep and reverse walk, on the backward's plan, so dh0 is bitwise gdn_bwd's;
+// no tape walk, no chunk-local gradients. The walk reads q, k, the gates and do only (dS's
+// recursion holds no state), so there is no v and no initial state. dv_new, which the
+// walk writes on its way, goes to a scratch tensor.
+at::Tensor gdn_bwd_initial_state(const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q,
+                                 const at::Tensor& k, const at::Tensor& g, const at::Tensor& beta,
+                                 const at::Tensor& cu_seqlens, double scale, bool use_qk_l2norm, bool deterministic,
+                                 int64_t segment_chunks, int64_t value_splits) {
+  constexpr const char* op = "gdn_bwd_initial_state";
+  constexpr int64_t D = kGdnHeadDim;
+  const GdnShapes s = check_gdn_inputs(op, q, k, nullptr, g, beta, cu_seqlens);
+  check_gdn_grads(op, s, dout, dht, q);
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
+                                           segment_chunks, value_splits, /*backward=*/true);
+  const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, scale,
+                                       /*outputs=*/false);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor dout_c = dense16(dout);
+  const at::Tensor dht_c = dht ? dht->contiguous() : at::Tensor();
+  unsigned char* ws = static_cast<unsigned char*>(c.workspace.data_ptr());
+  at::Tensor dv_new = at::empty({s.T, s.HV, D}, q.options().dtype(at::kBFloat16));
+  at::Tensor dh0 = at::empty({s.N, s.HV, D, D}, q.options().dtype(at::kFloat));
+  for (int slice = 0; slice < plan.head_slices; ++slice) {
+    const int64_t h0 = slice * plan.H, hv0 = slice * plan.HV;
+    const GdnFwdArgs f = head_slice_args(c.args, h0, hv0, c.beta.element_size());
+    launch_stage(op, "cake::gdn_bwd_initial_state/prep", gdn_bwd_tapes_prep_launch, f, stream);
+    const GdnBwdWalkArgs r = reverse_walk_args(plan, f, ws, /*beside_recompute=*/false, dout_c, dht_c, hv0,
+                                               heads_on(dv_new.data_ptr(), hv0, D, 2), dh0, scale);
+    launch_stage(op, "cake::gdn_bwd_initial_state/reverse_walk", gdn_bwd_walk_launch, r, stream);
+  }
+  return dh0;
 }
 
 // The bytes of the one workspace a call allocates beside its inputs and outputs (the
@@ -773,6 +838,9 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "int value_splits=-1, int head_slices=-1, Tensor? tapes=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
       "Tensor dbeta, Tensor dh0)");
   m.def(
+      "gdn_bwd_initial_state(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, int value_splits=-1) -> Tensor");
+  m.def(
       "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
       "int value_splits=-1) -> (Tensor, Tensor, Tensor tapes)");
@@ -790,4 +858,5 @@ TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
   m.impl("gdn_bwd_local", &cake::gdn_bwd_local);
   m.impl("gdn_bwd", &cake::gdn_bwd);
   m.impl("gdn_fwd_full", &cake::gdn_fwd_full);
+  m.impl("gdn_bwd_initial_state", &cake::gdn_bwd_initial_state);
 }

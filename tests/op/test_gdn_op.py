@@ -375,3 +375,51 @@ def test_cuda_rules_by_condition(monkeypatch):
     assert "gradient of o" in dispatch.gdn_bwd_cuda_refusal(do.float(), dht, *args, 0.1)
     assert "final state" in dispatch.gdn_bwd_cuda_refusal(do, dht.double(), *args, 0.1)
     assert dispatch.short_conv_fwd_cuda_refusal(i["q"]) is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_gdn_bwd_initial_state(device):
+    i = _gdn_args(device)
+    T = i["q"].shape[0]
+    do = torch.randn(T, 4, 16, device=device).bfloat16()
+    dht = torch.randn(3, 4, 16, 16, device=device)
+    for d in (dht, None):
+        args = [do, d, i["q"], i["k"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True, True]
+        torch.library.opcheck(torch.ops.cake.gdn_bwd_initial_state.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", params(CASES))
+def test_gdn_bwd_initial_state_is_gdn_bwds_dh0(case, device):
+    """cake::gdn_bwd_initial_state is bitwise the dh0 of cake::gdn_bwd (with and without
+    dht; its outputs NaN-poisoned), which does not depend on v or the initial state, and
+    within the contract of the FP64 reference's initial-state gradient."""
+    inp = case.inputs(device)
+    args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
+    N, T = inp["cu_seqlens"].shape[0] - 1, inp["q"].shape[0]
+    gen = torch.Generator().manual_seed(case.seed + 2)
+    do = torch.randn(T, case.HV, case.V, generator=gen).to(device, inp["v"].dtype)
+    dht = torch.randn(N, case.HV, case.K, case.V, generator=gen).to(device)
+    h0 = torch.randn(N, case.HV, case.K, case.V, generator=gen).to(device)
+    scale, l2 = case.K**-0.5, case.l2norm
+    q, k, v, g, beta, cu = args
+    for d in (None, dht):  # the last, with dht, is checked against the reference below
+        with poisoned_allocations():
+            got = torch.ops.cake.gdn_bwd_initial_state(do, d, q, k, g, beta, cu, scale, l2, True)
+            want = torch.ops.cake.gdn_bwd(do, d, q, k, v, g, beta, cu, h0, scale, l2, True)[5]
+        assert got.dtype == torch.float32 and got.shape == (N, case.HV, case.K, case.V)
+        assert torch.equal(got, want), (case.id, device, d is None)
+    ref = {n: inp[n].detach().double() for n in ("q", "k", "v", "g", "beta")}
+    h0_ref = h0.double().requires_grad_()
+    ro, rht = gdn_reference(*ref.values(), cu, initial_state=h0_ref, use_qk_l2norm=l2)
+    torch.autograd.backward([ro, rht], [do.double(), dht.double()])
+    acc = accuracy(got, h0_ref.grad)
+    record_accuracy("gdn_bwd_initial_state dh0", acc)
+    assert acc.ok, (case.id, device, acc)
+
+
+def test_gdn_bwd_initial_state_names_a_bad_do():
+    i = _gdn_args("cpu")
+    with pytest.raises(ValueError, match="do must be"):
+        torch.ops.cake.gdn_bwd_initial_state(torch.zeros(2, 4, 16, dtype=torch.bfloat16), None, i["q"], i["k"],
+                                             i["g"], i["beta"], i["cu_seqlens"], 0.25, False, True)
