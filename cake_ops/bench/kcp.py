@@ -34,17 +34,19 @@ def _kcp_step(inp, world: int, layout: str, out: dict):
     from cake_ops.testing import run_rank_threads
 
     cu = inp.cu_seqlens.tolist()  # read once here: a plan is made outside the timed step
-    contexts: dict = {}
+    ranks: dict = {}
 
     def rank(r, w):
-        # One plan per rank, made at the first call and kept (every call's threads join a
-        # threaded group of the same name), so the timed steps do not include planning.
-        if r not in contexts:
-            contexts[r] = build_context_kcp(cu, layout=layout, device=inp.q.device)
-        ctx = contexts[r]
-        local = [ctx.shard(getattr(inp, n)).detach().requires_grad_(True) for n in NAMES]
+        # One plan and one shard of the inputs per rank, made at the first call and kept
+        # (every call's threads join a threaded group of the same name), so the timed
+        # steps hold neither the planning nor the sharding copies.
+        if r not in ranks:
+            ctx = build_context_kcp(cu, layout=layout, device=inp.q.device)
+            local = [ctx.shard(getattr(inp, n)).detach().requires_grad_(True) for n in NAMES]
+            ranks[r] = (ctx, local, ctx.shard(inp.do))
+        ctx, local, do = ranks[r]
         o, _ = gdn_kcp(*local, ctx, use_qk_l2norm=True)
-        grads = torch.autograd.grad(o, local, ctx.shard(inp.do))
+        grads = torch.autograd.grad(o, local, do)
         out[r] = (ctx, o, grads, kcp_comm_bytes(ctx, inp.v.shape[1], inp.q.shape[-1], inp.v.shape[-1]))
 
     return lambda: run_rank_threads(rank, world, timeout=600)
