@@ -5,7 +5,8 @@ fragments. Compositions of the ``cake::`` ops and functional collectives
 layouts."""
 
 from .context import LAYOUTS, Fragment, KcpContext, build_context_kcp, kcp_comm_bytes
-from .gdn import gdn_kcp, kcp_saved_bytes
+from .gdn import gdn_kcp, kcp_saved_bytes, kcp_workspace_bytes
 from .short_conv import short_conv_kcp
 
-__all__ = ["LAYOUTS", "Fragment", "KcpContext", "build_context_kcp", "gdn_kcp", "kcp_comm_bytes", "kcp_saved_bytes", "short_conv_kcp"]
+__all__ = ["LAYOUTS", "Fragment", "KcpContext", "build_context_kcp", "gdn_kcp", "kcp_comm_bytes", "kcp_saved_bytes",
+           "kcp_workspace_bytes", "short_conv_kcp"]

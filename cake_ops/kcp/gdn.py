@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 
 from ..checks import check_gdn
-from ..ops.gdn import SAVE_MODES, gdn_tapes_bytes
+from ..ops.gdn import SAVE_MODES, gdn_tapes_bytes, gdn_workspace_bytes
 from . import collectives
 from .context import KcpContext
 
@@ -228,3 +228,35 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
     if save_mode == "full" and cuda_kernels:
         saved += gdn_tapes_bytes(T, F, H, HV, use_qk_l2norm)
     return saved
+
+
+def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool = False, deterministic: bool = True,
+                        save_mode: str = "light", direction: str = "forward") -> int:
+    """The largest workspace one ``cake::`` op of a ``gdn_kcp`` call allocates on this
+    rank, in its forward or its backward (``direction``), on the CUDA kernels (K = V =
+    128; ``cake_ops.gdn_workspace_bytes`` of each op's batch, which tests hold to the
+    allocator): the forward walks the source fragments for ``E`` and ``M`` and then all
+    fragments (in the save mode's form); the backward walks the sink fragments back for
+    their start states' gradients and then runs the backward of all fragments. The ops
+    run one after another, so this is the most workspace the call holds at once beside
+    its tensors. Needs the CUDA extension."""
+    if save_mode not in SAVE_MODES:
+        raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    if direction not in ("forward", "backward"):
+        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    frags = ctx.fragments[ctx.rank]
+    mine = [(s, f) for s, f in enumerate(frags)]
+    sources = [f for s, f in mine if any((ctx.rank, s) in d[:-1] for d in ctx.doc_fragments)]
+    sinks = [f for s, f in mine if any((ctx.rank, s) in d[1:] for d in ctx.doc_fragments)]
+    opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic)
+    if direction == "forward":
+        calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, **opts)]
+        if sources:
+            calls.append(gdn_workspace_bytes(sum(f.tokens for f in sources), len(sources), H, HV, **opts))
+    else:
+        calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, direction="backward",
+                                     **opts)]
+        if sinks:
+            calls.append(gdn_workspace_bytes(sum(f.tokens for f in sinks), len(sinks), H, HV,
+                                             direction="initial_state", **opts))
+    return max(calls)

@@ -161,18 +161,27 @@ def gdn_workspace_bytes(
     inputs and outputs, on the current CUDA device (the plan reads its SM count), for
     the forward or the backward (``direction``) in the save mode's form: the call's
     allocator peak of requested bytes is this plus its outputs' bytes
-    (tests/cuda/test_gdn_byte_queries.py). Needs the CUDA extension (the PyTorch
-    implementation has no workspace of its own); a ValueError names a bad option."""
+    (tests/cuda/test_gdn_byte_queries.py). ``direction="initial_state"``: a
+    ``cake::gdn_bwd_initial_state`` call's (the light backward's workspace and the dv_new
+    its reverse walk writes on the way, bf16 [T, HV, 128]; ``save_mode`` does not enter).
+    Needs the CUDA extension (the PyTorch implementation has no workspace of its own); a
+    ValueError names a bad option."""
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
-    if direction not in ("forward", "backward"):
-        raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
+    if direction not in WORKSPACE_DIRECTIONS:
+        raise ValueError(f"direction must be one of {WORKSPACE_DIRECTIONS}, got {direction!r}")
     from .. import build
 
     if not build.available():
         raise RuntimeError(f"gdn_workspace_bytes needs the CUDA kernels: {build.unavailable_reason()}")
+    if direction == "initial_state":
+        dv_new = T * HV * 128 * 2
+        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, True, False) + dv_new
     return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, direction == "backward",
                                             save_mode == "full")
+
+
+WORKSPACE_DIRECTIONS = ("forward", "backward", "initial_state")
 
 
 @torch.library.custom_op("cake::gdn_fwd_full", mutates_args=())

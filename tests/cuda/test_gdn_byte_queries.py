@@ -48,3 +48,24 @@ def test_workspace_bytes_are_the_allocator_peak(lengths, H, G, save_mode, use_qk
     ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
                                       save_mode=save_mode, direction="backward")
     assert peak == ws + _bytes(grads), (peak, ws, [t.shape for t in grads])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths, H, G", [([4096, 300, 1, 64], 2, 3), ([11000, 12000, 9768], 16, 3)],
+                         ids=["small", "s32k_h16"])
+@pytest.mark.parametrize("use_qk_l2norm, deterministic", [(True, True), (False, False)])
+def test_initial_state_workspace_bytes_are_the_allocator_peak(lengths, H, G, use_qk_l2norm, deterministic):
+    """gdn_workspace_bytes(direction="initial_state") is a cake::gdn_bwd_initial_state
+    call's peak of requested bytes less its output."""
+    from cake_ops import build
+
+    ops = build.load()
+    T, N, HV = sum(lengths), len(lengths), G * H
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=2)
+    do = torch.randn_like(inp["v"])
+    peak, dh0 = _peak_above(lambda: ops.gdn_bwd_initial_state(do, None, inp["q"], inp["k"], inp["g"], inp["beta"],
+                                                               inp["cu_seqlens"], 128**-0.5, use_qk_l2norm,
+                                                               deterministic))
+    ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
+                                      direction="initial_state")
+    assert peak == ws + _bytes([dh0]), (peak, ws)

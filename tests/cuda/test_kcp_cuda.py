@@ -4,14 +4,15 @@ layouts C, Z and D: each rank's outputs and gradients against the single-GPU
 ``cake_ops.gdn`` of the global batch (within the accuracy contract: the chain's fp32
 states replace the single-GPU cut grid's), the final states against the FP64
 reference, bitwise the same on a repeat and in the full save mode, with NaN-poisoned
-allocations."""
+allocations; kcp_workspace_bytes against the workspaces of the ops a call runs."""
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cake_ops
-from cake_ops.kcp import build_context_kcp, gdn_kcp
+from cake_ops.kcp import build_context_kcp, gdn_kcp, kcp_workspace_bytes
 from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
@@ -75,3 +76,55 @@ def test_kcp_cuda_on_rank_threads(world, layout):
     single = _single_gpu(lengths, H, HV, seed=world)
     with poisoned_allocations():  # process-wide: set once around all the rank threads
         run_rank_threads(_case, world, layout, lengths, H, HV, world, single, timeout=300)
+
+
+class _CakeCalls(TorchDispatchMode):
+    """Records the workspace each cake:: GDN op call of this thread needs
+    (cake_ops.gdn_workspace_bytes of its batch and form; tests/cuda/test_gdn_byte_queries.py
+    holds those to the allocator)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.name()
+        if name in ("cake::gdn_fwd", "cake::gdn_fwd_full", "cake::gdn_bwd", "cake::gdn_bwd_initial_state"):
+            if name == "cake::gdn_bwd_initial_state":
+                q, g, cu, l2, det, form = args[2], args[4], args[6], args[8], args[9], ("light", "initial_state")
+            elif name == "cake::gdn_bwd":
+                q, g, cu, l2, det = args[2], args[5], args[7], args[10], args[11]
+                tapes = args[12] if len(args) > 12 else None
+                form = ("full" if tapes is not None and tapes.numel() else "light", "backward")
+            else:
+                q, g, cu, l2, det = args[0], args[3], args[5], args[8], args[9]
+                form = ("full" if name == "cake::gdn_fwd_full" else "light", "forward")
+            self.bytes.append((form[1], cake_ops.gdn_workspace_bytes(
+                q.shape[0], cu.shape[0] - 1, q.shape[1], g.shape[1], use_qk_l2norm=l2, deterministic=det,
+                save_mode=form[0], direction=form[1])))
+        return func(*args, **(kwargs or {}))
+
+
+def _workspace_case(rank, world, lengths, H, HV):
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=5)
+    ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout="D", device="cuda")
+    for save_mode in ("light", "full"):
+        local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in NAMES[:5]]
+        calls = _CakeCalls()
+        with calls:
+            o, _ = gdn_kcp(*local, ctx, use_qk_l2norm=True, save_mode=save_mode)
+            forward = list(calls.bytes)
+            torch.autograd.grad(o, local, torch.ones_like(o))
+        backward = calls.bytes[len(forward):]
+        assert {d for d, _ in forward} == {"forward"} and {d for d, _ in backward} == {"backward", "initial_state"}
+        for direction, recorded in (("forward", forward), ("backward", backward)):
+            want = max(b for _, b in recorded)
+            got = kcp_workspace_bytes(ctx, H, HV, use_qk_l2norm=True, save_mode=save_mode, direction=direction)
+            assert got == want, (rank, save_mode, direction, got, recorded)
+
+
+@pytest.mark.gpu
+def test_kcp_workspace_bytes_are_its_ops_largest():
+    """kcp_workspace_bytes is the largest workspace of the cake:: ops a gdn_kcp forward or
+    backward runs on each rank (layout D: every rank holds sources and sinks)."""
+    run_rank_threads(_workspace_case, 3, [5000, 700, 2100], 2, 6, timeout=300)
