@@ -58,6 +58,8 @@ def test_opcheck_gdn_bwd(device):
     for d in (dht, None):
         args = [do, d, i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, False, True]
         torch.library.opcheck(torch.ops.cake.gdn_bwd.default, args)
+        torch.library.opcheck(torch.ops.cake.gdn_bwd_initial_state.default,
+                              [do, d, i["q"], i["k"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True, True])
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -375,17 +377,6 @@ def test_cuda_rules_by_condition(monkeypatch):
     assert "gradient of o" in dispatch.gdn_bwd_cuda_refusal(do.float(), dht, *args, 0.1)
     assert "final state" in dispatch.gdn_bwd_cuda_refusal(do, dht.double(), *args, 0.1)
     assert dispatch.short_conv_fwd_cuda_refusal(i["q"]) is None
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_opcheck_gdn_bwd_initial_state(device):
-    i = _gdn_args(device)
-    T = i["q"].shape[0]
-    do = torch.randn(T, 4, 16, device=device).bfloat16()
-    dht = torch.randn(3, 4, 16, 16, device=device)
-    for d in (dht, None):
-        args = [do, d, i["q"], i["k"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True, True]
-        torch.library.opcheck(torch.ops.cake.gdn_bwd_initial_state.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
