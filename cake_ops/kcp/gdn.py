@@ -135,9 +135,9 @@ class _GdnKcp(torch.autograd.Function):
             dht = dht.index_copy(0, tables.last_slots, mine)
             dS0 = dS0 + dcat[pool:]
         if kcp.sink_slots:
-            # The sinks' start-state gradients from their own outputs and end gradients
-            # (no source's is needed: a sink's end is a document's last token or a source's
-            # end, whose gradient reaches it through the chain below), to every rank.
+            # The sinks' start-state gradients from their own outputs and end gradients, to
+            # every rank. A sink that is a source too (a document's middle) walks back from
+            # zero here: the gradient at its end enters through the chain, as Mᵀ dS_end.
             F = q.new_zeros(0, *starts.shape[1:], dtype=torch.float32)
             if tables.sink_fragments.numel():
                 rows = tables.sink_rows
