@@ -38,6 +38,14 @@ def gather_adjoint(grad: torch.Tensor, ctx) -> torch.Tensor:
     return total
 
 
+def shift(x: torch.Tensor, send_splits, recv_splits, ctx) -> torch.Tensor:
+    """Rows of ``x`` to other ranks: the first ``send_splits[0]`` to rank 0, the next
+    ``send_splits[1]`` to rank 1, ...; returns the rows received, by source rank
+    (``recv_splits[r]`` from rank r). An all-to-all whose splits are the plan's, zero but
+    for neighbours in the ring exchange (not differentiable)."""
+    return _wait(funcol.all_to_all_single(x.contiguous(), list(recv_splits), list(send_splits), ctx.group_name))
+
+
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, kcp):

@@ -145,6 +145,13 @@ class KcpContext:
             self._tables[key] = _chain_tables(self, device)
         return self._tables[key]
 
+    def ring_tables(self, device: torch.device) -> tuple[RingStep, ...]:
+        """The ring exchange's steps on ``device`` (made at the first call per device)."""
+        key = ("ring", device)
+        if key not in self._tables:
+            self._tables[key] = _ring_steps(self, device)
+        return self._tables[key]
+
     def halo_tables(self, device: torch.device) -> HaloTables:
         """The short convolution's halo index tensors on ``device`` (``conv_width``)."""
         key = ("halo", device)
@@ -188,21 +195,32 @@ class KcpContext:
 
 
 def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, output_final_state: bool = False,
-                   conv_channels: int | None = None) -> dict[str, int]:
-    """Bytes each rank puts into each collective of one ``gdn_kcp`` forward+backward with
+                   conv_channels: int | None = None, exchange: str = "a2a", save_transfer: bool = True) -> dict[str, int]:
+    """Bytes this rank puts into each collective of one ``gdn_kcp`` forward+backward with
     HV value heads of dims K, V (and, with ``conv_channels`` = D, one ``short_conv_kcp``
     of D channels), by collective: the all-gathers (each rank receives W times its
-    input: the forward's summaries, final states and conv tails; the backward's start-state
-    gradients of the sink fragments) and the backward's all-to-alls of W blocks (the
-    gradients of the final states and of the conv tails, the adjoints of their gathers).
-    The same on every rank, and independent of the sequence length: only the plan's slot
-    counts enter. A collective the plan does not need is absent."""
+    input: the forward's summaries, final states and conv tails; the backward's
+    start-state gradients of the sink fragments and, without ``save_transfer``, the
+    transfers again) and the backward's all-to-alls of W blocks (the gradients of the
+    final states and of the conv tails, the adjoints of their gathers). With
+    ``exchange="ring"`` the chain's states and their gradients go instead by neighbour
+    shifts, one a step of the chain, summed here over the steps (this rank's own
+    documents' hops: the one count that differs between the ranks). Only the plan enters,
+    never the sequence length. A collective the plan does not need is absent."""
     out = {}
-    if ctx.source_slots:
+    state = HV * K * V * 4
+    if exchange == "ring":
+        steps = ctx.ring_tables(ctx.cu_seqlens.device)
+        if steps:
+            out["gdn chain states, forward shifts"] = sum(s.src_frags.numel() for s in steps) * state
+            out["gdn chain end-state gradients, backward shifts"] = sum(s.recv_frags.numel() for s in steps) * state
+    elif ctx.source_slots:
         out["gdn summaries, forward all-gather"] = ctx.source_slots * HV * K * (V + K) * 4
-        out["gdn sink start-state gradients, backward all-gather"] = ctx.sink_slots * HV * K * V * 4
+        out["gdn sink start-state gradients, backward all-gather"] = ctx.sink_slots * state
+        if not save_transfer:
+            out["gdn transfers, backward all-gather"] = ctx.source_slots * HV * K * K * 4
     if output_final_state:
-        out["gdn final states, forward all-gather"] = ctx.last_slots * HV * K * V * 4
+        out["gdn final states, forward all-gather"] = ctx.last_slots * state
         out["gdn final states, backward all-to-all"] = ctx.world * out["gdn final states, forward all-gather"]
     if conv_channels is not None and ctx.conv_width > 1:
         out["short conv tails, forward all-gather"] = ctx.slots * (ctx.conv_width - 1) * conv_channels * 4
@@ -294,6 +312,48 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
 
 
 @dataclasses.dataclass(frozen=True)
+class RingStep:
+    """One step of ``gdn_kcp``'s chain in the ring exchange, on this rank: the p-th
+    source of every document that has one hands its end state to the rank holding the
+    document's next fragment. ``src_frags``, ``src_slots``: this rank's p-th sources (local
+    fragment indices, and indices among its own source summaries) in the order they are
+    sent, by destination rank, then document; ``send_splits``: how many go to each rank;
+    ``recv_frags``: the local fragments whose start states arrive, in arrival order (by
+    source rank, then document); ``recv_splits``: how many come from each rank;
+    ``src_pos``: the sent sources' places among the step's documents (``ChainTables.steps``
+    order), ``documents``: how many documents the step has. The backward runs the steps in
+    reverse with the splits swapped."""
+
+    src_frags: torch.Tensor
+    src_slots: torch.Tensor
+    src_pos: torch.Tensor
+    documents: int
+    send_splits: tuple[int, ...]
+    recv_frags: torch.Tensor
+    recv_splits: tuple[int, ...]
+
+
+def _ring_steps(ctx: KcpContext, device: torch.device) -> tuple[RingStep, ...]:
+    per_doc = ctx.doc_fragments
+    own_sources = sorted(s for frags in per_doc for r, s in frags[:-1] if r == ctx.rank)
+    own_slot = {s: j for j, s in enumerate(own_sources)}
+    steps = []
+    for p in range(max((len(f) for f in per_doc), default=1) - 1):
+        hops = [(frags[p], frags[p + 1], d) for d, frags in enumerate(per_doc) if len(frags) > p + 1]
+        place = {d: i for i, (_, _, d) in enumerate(hops)}  # the step's documents in ascending order
+        send = sorted((dst[0], d, src[1]) for src, dst, d in hops if src[0] == ctx.rank)
+        recv = sorted((src[0], d, dst[1]) for src, dst, d in hops if dst[0] == ctx.rank)
+        as_index = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+        steps.append(RingStep(
+            src_frags=as_index([s for _, _, s in send]), src_slots=as_index([own_slot[s] for _, _, s in send]),
+            src_pos=as_index([place[d] for _, d, _ in send]), documents=len(hops),
+            send_splits=tuple(sum(1 for r, _, _ in send if r == q) for q in range(ctx.world)),
+            recv_frags=as_index([s for _, _, s in recv]),
+            recv_splits=tuple(sum(1 for r, _, _ in recv if r == q) for q in range(ctx.world))))
+    return tuple(steps)
+
+
+@dataclasses.dataclass(frozen=True)
 class HaloTables:
     """``tails``: per local slot (``slots`` of them), the local rows of its fragment's
     last W - 1 tokens, oldest first (``local_tokens``: a zero row); ``halo``: per local
@@ -380,5 +440,6 @@ def build_context_kcp(
                      cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device))
     # Made here, so that no op call (traced, or captured in a CUDA graph) copies them in.
     ctx.chain_tables(ctx.cu_seqlens.device)
+    ctx.ring_tables(ctx.cu_seqlens.device)
     ctx.halo_tables(ctx.cu_seqlens.device)
     return ctx

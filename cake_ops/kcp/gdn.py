@@ -79,10 +79,55 @@ def _chain_adjoint(F, M, documents: int, tables):
     return dend
 
 
+def _at_places(x, rows, step):
+    """``x[rows]`` placed at this rank's sources' places among the step's documents, zeros
+    elsewhere: operands of the products ``_chain`` forms over all the step's documents."""
+    return x.new_zeros(step.documents, *x.shape[1:]).index_copy(0, step.src_pos, x.index_select(0, rows))
+
+
+def _ring_chain(E, M, S0, tables, steps, kcp):
+    """``_chain`` by neighbour shifts (``exchange="ring"``): this rank's fragments' start
+    states from its own source summaries ``E``, ``M`` [sources, ...] alone. Each step
+    every rank forms the end states of its sources of that step, ``M S + E``, and sends
+    them to the ranks holding the next fragments. The products run over all the step's
+    documents, as ``_chain``'s (zeros where another rank's source sits), so that each
+    source's end state has ``_chain``'s bits: a batched product's kernel, and with it a
+    row's summation order, may depend on the batch's size."""
+    starts = S0.new_zeros(len(kcp.fragments[kcp.rank]), *S0.shape[1:])
+    starts = starts.index_copy(0, tables.first_fragments, S0.index_select(0, tables.first_docs))
+    for step in steps:
+        S_next = S0.new_zeros(0, *S0.shape[1:])
+        if step.src_pos.numel():
+            S_next = (torch.matmul(_at_places(M, step.src_slots, step), _at_places(starts, step.src_frags, step))
+                      + _at_places(E, step.src_slots, step)).index_select(0, step.src_pos)
+        received = collectives.shift(S_next, step.send_splits, step.recv_splits, kcp)
+        starts = starts.index_copy(0, step.recv_frags, received)
+    return starts
+
+
+def _ring_chain_adjoint(F, M, steps, kcp, fragments: int):
+    """``_chain_adjoint`` by neighbour shifts: per local fragment its end state's gradient
+    (zero but for sources) from this rank's sinks' ``F`` (per local fragment) and its own
+    transfers ``M``. The holder of a source's next fragment forms the gradient at the
+    source's end and sends it back; the products run over all the step's documents, as in
+    ``_ring_chain``."""
+    dend = F.new_zeros(fragments, *F.shape[1:])
+    carried = torch.zeros_like(dend)  # per local source: Mᵀ of its end's gradient
+    for step in reversed(steps):
+        d = F.index_select(0, step.recv_frags) + carried.index_select(0, step.recv_frags)
+        back = collectives.shift(d, step.recv_splits, step.send_splits, kcp)
+        dend = dend.index_copy(0, step.src_frags, back)
+        if step.src_pos.numel():
+            back_all = back.new_zeros(step.documents, *back.shape[1:]).index_copy(0, step.src_pos, back)
+            Mt_d = torch.matmul(_at_places(M, step.src_slots, step).transpose(-1, -2), back_all)
+            carried = carried.index_copy(0, step.src_frags, Mt_d.index_select(0, step.src_pos))
+    return dend
+
+
 class _GdnKcp(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, beta, initial_state, kcp, scale, use_qk_l2norm, deterministic, full,
-                output_final_state):
+                output_final_state, ring, save_transfer):
         K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
         tables = kcp.chain_tables(q.device)
         S0 = (initial_state.float() if initial_state is not None
@@ -98,19 +143,25 @@ class _GdnKcp(torch.autograd.Function):
             _, M = torch.ops.cake.gdn_fwd(sub[0], sub[1], sub[2].new_zeros(sub[2].shape[0], HV, K), sub[3],
                                           sub[4], cu, eye, *walk)
             summaries = torch.cat([E, M], dim=-1)
-        every = (collectives.gather(_padded(summaries, kcp.source_slots), kcp) if kcp.source_slots
-                 else summaries)
-        E_all, M_all = every[..., :V], every[..., V:]
-        starts = _chain(E_all, M_all, S0, tables)
+        if ring:
+            starts = _ring_chain(summaries[..., :V], summaries[..., V:], S0, tables, kcp.ring_tables(q.device), kcp)
+            transfers = summaries[..., V:].contiguous()  # this rank's own: the ring's backward reads no other
+        else:
+            every = (collectives.gather(_padded(summaries, kcp.source_slots), kcp) if kcp.source_slots
+                     else summaries)
+            E_all, M_all = every[..., :V], every[..., V:]
+            starts = _chain(E_all, M_all, S0, tables)
+            # The backward's chain adjoint reads the transfers only (a copy: not the gathered
+            # E beside them); without save_transfer only this rank's, gathered again there.
+            transfers = (M_all if save_transfer else _padded(summaries[..., V:], kcp.source_slots)).contiguous()
         if full:
             o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk)
         else:
             (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk), None
-        fctx.kcp, fctx.walk = kcp, walk
+        fctx.kcp, fctx.walk, fctx.ring, fctx.save_transfer = kcp, walk, ring, save_transfer
         fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
-        # The backward's chain adjoint reads the transfers only (a copy: not the gathered E
-        # beside them); the source sub-batch is formed again there, not kept.
-        fctx.save_for_backward(q, k, v, g, beta, starts, M_all.contiguous(), S0, tapes)
+        # The source sub-batch is formed again in the backward, not kept.
+        fctx.save_for_backward(q, k, v, g, beta, starts, transfers, S0, tapes)
         if not output_final_state:
             return o, None
         # Each document's final state from the rank holding its last fragment, to every rank.
@@ -120,7 +171,7 @@ class _GdnKcp(torch.autograd.Function):
     @staticmethod
     def backward(fctx, do, dfinal):
         kcp, walk = fctx.kcp, fctx.walk
-        q, k, v, g, beta, starts, M_all, S0, tapes = fctx.saved_tensors
+        q, k, v, g, beta, starts, transfers, S0, tapes = fctx.saved_tensors
         tables = kcp.chain_tables(q.device)
         do = torch.zeros_like(v) if do is None else do
         dS0 = torch.zeros_like(S0)
@@ -144,10 +195,15 @@ class _GdnKcp(torch.autograd.Function):
                 F = torch.ops.cake.gdn_bwd_initial_state(
                     do.index_select(0, rows), dht.index_select(0, tables.sink_fragments).contiguous(),
                     *(x.index_select(0, rows) for x in (q, k, g, beta)), tables.sink_cu_seqlens, *walk)
-            F_all = collectives.gather(_padded(F, kcp.sink_slots), kcp)
-            dend = _chain_adjoint(F_all, M_all, kcp.documents, tables)
+            if fctx.ring:
+                F_local = torch.zeros_like(starts).index_copy(0, tables.sink_fragments, F)
+                picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
+            else:
+                M_all = transfers if fctx.save_transfer else collectives.gather(transfers, kcp)
+                F_all = collectives.gather(_padded(F, kcp.sink_slots), kcp)
+                dend = _chain_adjoint(F_all, M_all, kcp.documents, tables)
+                picked = dend.index_select(0, tables.local_sources.clamp(min=0))
             is_source = tables.local_sources >= 0
-            picked = dend.index_select(0, tables.local_sources.clamp(min=0))
             dht = torch.where(is_source[:, None, None, None], picked, dht)
         # One backward over every fragment, from its chained start state with its end
         # gradient: a source's summaries' gradients come with it (the gradient of
@@ -156,7 +212,7 @@ class _GdnKcp(torch.autograd.Function):
                                                                 *walk, tapes)
         dS0 = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
         dh0 = dS0 if fctx.has_initial else None
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None
+        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None, None
 
 
 def gdn_kcp(
@@ -172,7 +228,9 @@ def gdn_kcp(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     deterministic: bool = True,
+    exchange: str = "a2a",
     save_mode: str = "light",
+    save_transfer: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GDN of a global packed batch held across the ranks of ``ctx`` (a collective:
     every rank calls it with its own rows).
@@ -186,6 +244,17 @@ def gdn_kcp(
             (the same on every rank).
         scale, use_qk_l2norm, deterministic, save_mode: as ``cake_ops.gdn``'s, for every
             walk of the composition.
+        exchange: how the chain's data travels. "a2a" (default): every rank's source
+            summaries all-gathered, every rank chaining every document (one collective
+            each way, W summaries received). "ring": each source's end state sent to the
+            rank holding its document's next fragment, one neighbour shift per step of
+            the chain (state-sized messages, as many steps as a document has fragments,
+            less one), and its gradient back the same way. The same bits either way (the
+            chain's products have the same shapes in both).
+        save_transfer: keep the gathered transfers ``M`` of every rank for the backward
+            (default) or only this rank's, gathered again there (W - 1 times less memory,
+            one more all-gather). The ring keeps only this rank's and reads no other:
+            it requires False.
     Returns:
         (o, this rank's rows [T_r, HV, V]; final states or None). Gradients of the
         replicated states are partial (module docstring).
@@ -194,6 +263,13 @@ def gdn_kcp(
         raise TypeError(f"ctx must be a KcpContext (build_context_kcp), got {type(ctx).__name__}")
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {EXCHANGES}, got {exchange!r}")
+    if not isinstance(save_transfer, bool):
+        raise ValueError(f"save_transfer must be True or False, got {save_transfer!r}")
+    if exchange == "ring" and save_transfer:
+        raise ValueError("exchange='ring' requires save_transfer=False: the ring keeps only this rank's transfers "
+                         "(no other rank's reach it)")
     if q.shape[0] != ctx.local_tokens:
         raise ValueError(f"q must hold this rank's {ctx.local_tokens} tokens of the context (ctx.shard), "
                          f"got {q.shape[0]} rows")
@@ -207,16 +283,22 @@ def gdn_kcp(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     return _GdnKcp.apply(q, k, v, g, beta, initial_state, ctx, float(scale), use_qk_l2norm, deterministic,
-                         save_mode == "full", output_final_state)
+                         save_mode == "full", output_final_state, exchange == "ring", save_transfer)
+
+
+EXCHANGES = ("a2a", "ring")
 
 
 def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128, *,
                     dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype = torch.float32,
-                    use_qk_l2norm: bool = False, save_mode: str = "light", cuda_kernels: bool = True) -> int:
+                    use_qk_l2norm: bool = False, save_mode: str = "light", cuda_kernels: bool = True,
+                    exchange: str = "a2a", save_transfer: bool = True) -> int:
     """Bytes of the tensors one ``gdn_kcp`` call on this rank keeps from its forward to
     its backward: its rows of q, k, v (``dtype``), g (fp32) and beta; the fragments'
-    start states, the gathered transfers ``M`` and the documents' initial states (the
-    caller's fp32 tensor, or zeros), fp32; in the full save mode
+    start states, the transfers ``M`` (every rank's, gathered, with ``save_transfer``;
+    else this rank's own: padded to its source slots for the backward's all-gather in the
+    a2a exchange, unpadded in the ring) and the documents' initial states (the caller's fp32 tensor, or zeros), fp32; in the
+    full save mode
     the finishing walk's tapes (``gdn_tapes_bytes``) where the CUDA kernels run the call
     (``cuda_kernels``). Tests compare it with what the call saves."""
     if save_mode not in SAVE_MODES:
@@ -224,7 +306,10 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
     T, F, state = ctx.local_tokens, len(ctx.fragments[ctx.rank]), HV * K * V * 4
     saved = (2 * T * H * K + T * HV * V) * dtype.itemsize + T * HV * (4 + beta_dtype.itemsize)
     saved += F * state + ctx.documents * state
-    saved += ctx.world * ctx.source_slots * HV * K * K * 4
+    own_sources = sum(1 for frags in ctx.doc_fragments for r, _ in frags[:-1] if r == ctx.rank)
+    transfers = ctx.world * ctx.source_slots if exchange == "a2a" and save_transfer else (
+        ctx.source_slots if exchange == "a2a" else own_sources)
+    saved += transfers * HV * K * K * 4
     if save_mode == "full" and cuda_kernels:
         saved += gdn_tapes_bytes(T, F, H, HV, use_qk_l2norm)
     return saved

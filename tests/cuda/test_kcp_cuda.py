@@ -3,8 +3,8 @@ threaded process group), bf16 with K = V = 128, GVA, documents crossing rank bou
 layouts C, Z and D: each rank's outputs and gradients against the single-GPU
 ``cake_ops.gdn`` of the global batch (within the accuracy contract: the chain's fp32
 states replace the single-GPU cut grid's), the final states against the FP64
-reference, bitwise the same on a repeat and in the full save mode, with NaN-poisoned
-allocations; kcp_workspace_bytes against the workspaces of the ops a call runs."""
+reference, bitwise the same on a repeat and across the forms (full save mode, exchanges
+a2a and ring, save_transfer), with NaN-poisoned allocations; kcp_workspace_bytes against the workspaces of the ops a call runs."""
 
 import pytest
 import torch
@@ -27,11 +27,11 @@ def _case(rank, world, layout, lengths, H, HV, seed, single):
     ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout=layout, device="cuda")
     do, dht, refs, ht64 = single
 
-    def run(save_mode="light"):
+    def run(save_mode="light", exchange="a2a", save_transfer=True):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in NAMES[:5]]
         h0 = inp["initial_state"].clone().requires_grad_(True)
         o, ht = gdn_kcp(*local, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
-                        save_mode=save_mode)
+                        save_mode=save_mode, exchange=exchange, save_transfer=save_transfer)
         grads = torch.autograd.grad((o, ht), local + [h0], (ctx.shard(do), dht if rank == 0 else torch.zeros_like(dht)))
         return [o, ht, *grads]
 
@@ -50,8 +50,9 @@ def _case(rank, world, layout, lengths, H, HV, seed, single):
     assert accuracy(got[1], ht64).ok, where
     for a, b in zip(got, run()):
         assert torch.equal(a, b), f"not bitwise on a repeat ({where})"
-    for a, b in zip(got, run("full")):
-        assert torch.equal(a, b), f"the full save mode differs from the light one ({where})"
+    for form in (("full",), ("light", "a2a", False), ("light", "ring", False)):
+        for a, b in zip(got, run(*form)):
+            assert torch.equal(a, b), f"the form {form} differs from the default one ({where})"
 
 
 def _single_gpu(lengths, H, HV, seed):

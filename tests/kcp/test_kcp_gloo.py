@@ -2,7 +2,8 @@
 give, on each rank's rows, the single-process ``cake_ops.gdn`` / ``cake_ops.short_conv``
 outputs and every gradient (fp32, so the only difference is the chain's order of
 operations), within the accuracy contract of the FP64 reference, bitwise the same on a
-repeat; layouts C, Z and D; documents inside one rank, crossing one or several rank
+repeat and across the forms (save modes, exchanges a2a and ring, save_transfer); layouts
+C, Z and D; documents inside one rank, crossing one or several rank
 boundaries, shorter than the ranks, empty; a rank holding no token; initial states; GVA."""
 
 import pytest
@@ -47,11 +48,11 @@ def _gdn_case(rank, world, layout, lengths, H, HV, seed):
 
     ctx = build_context_kcp(cu, layout=layout)
 
-    def run(save_mode="light"):
+    def run(save_mode="light", exchange="a2a", save_transfer=True):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in names[:5]]
         h0 = inp["initial_state"].clone().requires_grad_(True)
         o, ht = gdn_kcp(*local, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
-                        save_mode=save_mode)
+                        save_mode=save_mode, exchange=exchange, save_transfer=save_transfer)
         # Only rank 0's loss reads the final states; the others' backward still meets it in
         # the final states' exchange.
         outs, douts = ((o, ht), (ctx.shard(do), dht)) if rank == 0 else ((o,), (ctx.shard(do),))
@@ -67,8 +68,9 @@ def _gdn_case(rank, world, layout, lengths, H, HV, seed):
     assert accuracy(got[1].detach(), ht64).ok, where
     for a, b in zip(got, run()):
         assert torch.equal(a, b), f"not bitwise on a repeat ({where})"
-    for a, b in zip(got, run("full")):
-        assert torch.equal(a, b), f"the full save mode differs from the light one ({where})"
+    for form in (("full",), ("light", "a2a", False), ("full", "ring", False)):
+        for a, b in zip(got, run(*form)):
+            assert torch.equal(a, b), f"the form {form} differs from the default one ({where})"
 
 
 def _short_conv_case(rank, world, layout, lengths, seed):
@@ -133,11 +135,12 @@ def _traced_and_checkpointed(rank, world):
     w = torch.randn(D, 4, generator=gen)
     x_global = torch.randn(sum(lengths), D, generator=gen)
 
-    def layer(x, g, beta, h0, w):
+    def layer(x, g, beta, h0, w, exchange="a2a"):
         y = short_conv_kcp(x, w, None, ctx, activation="silu")
         q, k = y[:, :K].unsqueeze(1), y[:, K:].unsqueeze(1)
         v = torch.cat([y[:, :K], y[:, K:]], 1).view(-1, HV, V)
-        o, ht = gdn_kcp(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+        o, ht = gdn_kcp(q, k, v, g, beta, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
+                        exchange=exchange, save_transfer=exchange == "a2a")
         return o, ht
 
     def step(fn):
@@ -147,11 +150,15 @@ def _traced_and_checkpointed(rank, world):
         do = torch.ones_like(o) * 0.1
         return [o, ht, *torch.autograd.grad((o, ht), leaves, (do, torch.ones_like(ht) * (rank == 0)))]
 
+    def ring(*x):
+        return layer(*x, exchange="ring")
+
     eager = step(layer)
     torch._dynamo.reset()
     compiled = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
+    compiled_ring = step(torch.compile(ring, fullgraph=True, backend="aot_eager"))
     checkpointed = step(lambda *x: torch.utils.checkpoint.checkpoint(layer, *x, use_reentrant=False))
-    for name, got in (("compiled", compiled), ("checkpointed", checkpointed)):
+    for name, got in (("compiled", compiled), ("compiled ring", compiled_ring), ("checkpointed", checkpointed)):
         for i, (a, b) in enumerate(zip(got, eager)):
             assert torch.equal(a, b), f"{name} output {i} differs from eager (rank {rank})"
 
@@ -178,7 +185,7 @@ def test_kcp_on_rank_threads(one_intra_op_thread):
     run_rank_threads(_gdn_case, 3, "D", [130, 3, 0, 97], 2, 4, 5, timeout=300)
 
 
-def _counted_exchange(rank, world, expected):
+def _counted_exchange(rank, world, expected, exchange, save_transfer):
     """One gdn_kcp (final states on) and one short_conv_kcp forward+backward; ``expected``
     [rank] gets kcp_comm_bytes of the call."""
     from cake_ops.kcp import kcp_comm_bytes
@@ -187,18 +194,21 @@ def _counted_exchange(rank, world, expected):
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=1)
     ctx = build_context_kcp(inp["cu_seqlens"], layout="D", conv_width=4)
     local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
-    o, ht = gdn_kcp(*local, ctx, initial_state=inp["initial_state"], output_final_state=True)
+    o, ht = gdn_kcp(*local, ctx, initial_state=inp["initial_state"], output_final_state=True, exchange=exchange,
+                    save_transfer=save_transfer)
     x, w = ctx.shard(torch.randn(sum(lengths), D)).requires_grad_(True), torch.randn(D, 4)
     y = short_conv_kcp(x, w, None, ctx)
     torch.autograd.grad((o, ht, y), local + [x], (torch.ones_like(o), torch.ones_like(ht), torch.ones_like(y)))
-    expected[rank] = kcp_comm_bytes(ctx, HV, K, V, output_final_state=True, conv_channels=D)
+    expected[rank] = kcp_comm_bytes(ctx, HV, K, V, output_final_state=True, conv_channels=D, exchange=exchange,
+                                    save_transfer=save_transfer)
 
 
-def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_thread):
+@pytest.mark.parametrize("exchange, save_transfer", [("a2a", True), ("a2a", False), ("ring", False)])
+def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_thread, exchange, save_transfer):
     from cake_ops.kcp import collectives
 
     log = {}
-    real_gather, real_adjoint = collectives.gather, collectives.gather_adjoint
+    real_gather, real_adjoint, real_shift = collectives.gather, collectives.gather_adjoint, collectives.shift
 
     def gather(x, ctx):
         log.setdefault(ctx.rank, []).append(("all-gather", x.numel() * x.element_size()))
@@ -208,20 +218,36 @@ def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_
         log.setdefault(ctx.rank, []).append(("all-to-all", g.numel() * g.element_size()))
         return real_adjoint(g, ctx)
 
+    def shift(x, send_splits, recv_splits, ctx):
+        log.setdefault(ctx.rank, []).append(("shifts", x.numel() * x.element_size()))
+        return real_shift(x, send_splits, recv_splits, ctx)
+
     monkeypatch.setattr(collectives, "gather", gather)
     monkeypatch.setattr(collectives, "gather_adjoint", gather_adjoint)
+    monkeypatch.setattr(collectives, "shift", shift)
     from cake_ops.testing import run_rank_threads
 
     expected_by_rank = {}
-    run_rank_threads(_counted_exchange, 3, expected_by_rank, timeout=300)
+    run_rank_threads(_counted_exchange, 3, expected_by_rank, exchange, save_transfer, timeout=300)
     assert sorted(log) == sorted(expected_by_rank) == [0, 1, 2]
     for rank, expected in expected_by_rank.items():
         # Every exchange of the plan (documents cross rank boundaries, final states and a
-        # conv are on): the forward's three gathers, the backward's gather of the sinks'
-        # start-state gradients and the two adjoints.
-        assert len(expected) == 6, expected
-        want = [(name.rsplit(" ", 1)[-1], n) for name, n in expected.items()]
-        assert sorted(log[rank]) == sorted(want), (rank, log[rank], want)
+        # conv are on): a2a, the forward's three gathers, the backward's gather of the
+        # sinks' start-state gradients (and of the transfers without save_transfer) and
+        # the two adjoints; ring, the chain's shifts both ways instead of the summaries'
+        # and the sinks' gathers (the shifts summed over the chain's steps).
+        assert len(expected) == {"a2a": 7 - save_transfer, "ring": 6}[exchange], expected
+        calls = log[rank]
+        if exchange == "ring":
+            shifts = sum(1 for kind, _ in calls if kind == "shifts")  # one a step of the chain, each way
+            assert shifts % 2 == 0 and shifts > 0, calls
+            shifted = sum(n for kind, n in calls if kind == "shifts")
+            calls = [c for c in calls if c[0] != "shifts"] + [("shifts", shifted)]
+            want = [(name.rsplit(" ", 1)[-1], n) for name, n in expected.items() if not name.endswith("shifts")]
+            want.append(("shifts", sum(n for name, n in expected.items() if name.endswith("shifts"))))
+        else:
+            want = [(name.rsplit(" ", 1)[-1], n) for name, n in expected.items()]
+        assert sorted(calls) == sorted(want), (rank, calls, want)
 
 
 def _saved(rank, world, result):
@@ -240,10 +266,13 @@ def _saved(rank, world, result):
             storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            gdn_kcp(*local, ctx, initial_state=h0)
-        want = kcp_saved_bytes(ctx, H, HV, K, V, dtype=torch.float32, cuda_kernels=False)
-        result.setdefault(rank, []).append((sum(storages.values()), want))
+        for exchange, save_transfer in (("a2a", True), ("a2a", False), ("ring", False)):
+            storages.clear()
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                gdn_kcp(*local, ctx, initial_state=h0, exchange=exchange, save_transfer=save_transfer)
+            want = kcp_saved_bytes(ctx, H, HV, K, V, dtype=torch.float32, cuda_kernels=False, exchange=exchange,
+                                   save_transfer=save_transfer)
+            result.setdefault(rank, []).append((sum(storages.values()), want))
 
 
 def test_kcp_saved_bytes_are_what_the_call_saves(one_intra_op_thread):

@@ -59,6 +59,12 @@ def test_kcp_errors_name_the_argument(one_rank_group):
         gdn_kcp(q, q, v, g, b, ctx, initial_state=torch.zeros(3, 1, 8, 8))
     with pytest.raises(ValueError, match="save_mode"):
         gdn_kcp(q, q, v, g, b, ctx, save_mode="some")
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        gdn_kcp(q, q, v, g, b, ctx, exchange="tree")
+    with pytest.raises(ValueError, match="exchange='ring' requires save_transfer=False"):
+        gdn_kcp(q, q, v, g, b, ctx, exchange="ring")
+    with pytest.raises(ValueError, match="save_transfer must be True or False"):
+        gdn_kcp(q, q, v, g, b, ctx, save_transfer="yes")
     with pytest.raises(ValueError, match="conv_width W = 3"):
         short_conv_kcp(torch.randn(10, 4), torch.randn(4, 4), None, ctx)
     with pytest.raises(ValueError, match="initial_state must have shape"):
