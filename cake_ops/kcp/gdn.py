@@ -249,8 +249,8 @@ def gdn_kcp(
             each way, W summaries received). "ring": each source's end state sent to the
             rank holding its document's next fragment, one neighbour shift per step of
             the chain (state-sized messages, as many steps as a document has fragments,
-            less one), and its gradient back the same way. The same bits either way (the
-            chain's products have the same shapes in both).
+            less one), and its gradient back the same way. The same bits either way: the
+            chain's products have the same shapes in both (tested on gloo).
         save_transfer: keep the gathered transfers ``M`` of every rank for the backward
             (default) or only this rank's, gathered again there (W - 1 times less memory,
             one more all-gather). The ring keeps only this rank's and reads no other:
