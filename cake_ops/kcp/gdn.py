@@ -330,9 +330,9 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     frags = ctx.fragments[ctx.rank]
-    mine = [(s, f) for s, f in enumerate(frags)]
-    sources = [f for s, f in mine if any((ctx.rank, s) in d[:-1] for d in ctx.doc_fragments)]
-    sinks = [f for s, f in mine if any((ctx.rank, s) in d[1:] for d in ctx.doc_fragments)]
+    sources = {s for d in ctx.doc_fragments for r, s in d[:-1] if r == ctx.rank}
+    sinks = {s for d in ctx.doc_fragments for r, s in d[1:] if r == ctx.rank}
+    sources, sinks = [frags[s] for s in sorted(sources)], [frags[s] for s in sorted(sinks)]
     opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic)
     if direction == "forward":
         calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, **opts)]
