@@ -112,22 +112,33 @@ class KcpContext:
         return tuple(tuple((r, s) for _, r, s in sorted(p)) for p in per_doc)
 
     @functools.cached_property
-    def source_slots(self) -> int:
-        """The most source fragments (followed by another of their document) a rank holds."""
-        count = [0] * self.world
+    def sources(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the slots of its source fragments (followed by another fragment of
+        their document), ascending."""
+        return self._slots_where(lambda frags: frags[:-1])
+
+    @functools.cached_property
+    def sinks(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the slots of its sink fragments (preceded by another fragment of
+        their document), ascending."""
+        return self._slots_where(lambda frags: frags[1:])
+
+    def _slots_where(self, pick) -> tuple[tuple[int, ...], ...]:
+        per_rank: list[list[int]] = [[] for _ in range(self.world)]
         for frags in self.doc_fragments:
-            for r, _ in frags[:-1]:
-                count[r] += 1
-        return max(count)
+            for r, s in pick(frags):
+                per_rank[r].append(s)
+        return tuple(tuple(sorted(slots)) for slots in per_rank)
+
+    @functools.cached_property
+    def source_slots(self) -> int:
+        """The most source fragments a rank holds."""
+        return max(len(s) for s in self.sources)
 
     @functools.cached_property
     def sink_slots(self) -> int:
-        """The most sink fragments (preceded by another of their document) a rank holds."""
-        count = [0] * self.world
-        for frags in self.doc_fragments:
-            for r, _ in frags[1:]:
-                count[r] += 1
-        return max(count)
+        """The most sink fragments a rank holds."""
+        return max(len(s) for s in self.sinks)
 
     @functools.cached_property
     def last_slots(self) -> int:
@@ -268,11 +279,9 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
     sink_index = {}  # (rank, slot) -> flat slot among the gathered sink start-state gradients
     last_index = {}  # (rank, slot) -> flat slot among the gathered final states
     for r in range(ctx.world):
-        sources = [rs for frags in per_doc for rs in frags[:-1] if rs[0] == r]
-        sinks = [rs for frags in per_doc for rs in frags[1:] if rs[0] == r]
         lasts = [frags[-1] for frags in per_doc if frags and frags[-1][0] == r]
-        source_index.update({rs: r * ctx.source_slots + j for j, rs in enumerate(sorted(sources))})
-        sink_index.update({rs: r * ctx.sink_slots + j for j, rs in enumerate(sorted(sinks))})
+        source_index.update({(r, s): r * ctx.source_slots + j for j, s in enumerate(ctx.sources[r])})
+        sink_index.update({(r, s): r * ctx.sink_slots + j for j, s in enumerate(ctx.sinks[r])})
         last_index.update({rs: r * ctx.last_slots + j for j, rs in enumerate(sorted(lasts))})
     N = ctx.documents
     as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
@@ -299,8 +308,7 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
             cu.append(cu[-1] + frags[s].tokens)
         return as_index(rows_), as_index(cu, torch.int32)
 
-    my_sources = sorted(s for (r, s) in source_index if r == ctx.rank)
-    my_sinks = sorted(s for (r, s) in sink_index if r == ctx.rank)
+    my_sources, my_sinks = ctx.sources[ctx.rank], ctx.sinks[ctx.rank]
     firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]
     final_rows = [last_index[f[-1]] if f else ctx.world * ctx.last_slots + d for d, f in enumerate(per_doc)]
     return ChainTables(
@@ -335,8 +343,7 @@ class RingStep:
 
 def _ring_steps(ctx: KcpContext, device: torch.device) -> tuple[RingStep, ...]:
     per_doc = ctx.doc_fragments
-    own_sources = sorted(s for frags in per_doc for r, s in frags[:-1] if r == ctx.rank)
-    own_slot = {s: j for j, s in enumerate(own_sources)}
+    own_slot = {s: j for j, s in enumerate(ctx.sources[ctx.rank])}
     steps = []
     for p in range(max((len(f) for f in per_doc), default=1) - 1):
         hops = [(frags[p], frags[p + 1], d) for d, frags in enumerate(per_doc) if len(frags) > p + 1]

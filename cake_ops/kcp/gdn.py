@@ -306,9 +306,8 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
     T, F, state = ctx.local_tokens, len(ctx.fragments[ctx.rank]), HV * K * V * 4
     saved = (2 * T * H * K + T * HV * V) * dtype.itemsize + T * HV * (4 + beta_dtype.itemsize)
     saved += F * state + ctx.documents * state
-    own_sources = sum(1 for frags in ctx.doc_fragments for r, _ in frags[:-1] if r == ctx.rank)
     transfers = ctx.world * ctx.source_slots if exchange == "a2a" and save_transfer else (
-        ctx.source_slots if exchange == "a2a" else own_sources)
+        ctx.source_slots if exchange == "a2a" else len(ctx.sources[ctx.rank]))
     saved += transfers * HV * K * K * 4
     if save_mode == "full" and cuda_kernels:
         saved += gdn_tapes_bytes(T, F, H, HV, use_qk_l2norm)
@@ -330,9 +329,7 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     frags = ctx.fragments[ctx.rank]
-    sources = {s for d in ctx.doc_fragments for r, s in d[:-1] if r == ctx.rank}
-    sinks = {s for d in ctx.doc_fragments for r, s in d[1:] if r == ctx.rank}
-    sources, sinks = [frags[s] for s in sorted(sources)], [frags[s] for s in sorted(sinks)]
+    sources, sinks = [frags[s] for s in ctx.sources[ctx.rank]], [frags[s] for s in ctx.sinks[ctx.rank]]
     opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic)
     if direction == "forward":
         calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, **opts)]

@@ -175,7 +175,7 @@ def gdn_workspace_bytes(
     if not build.available():
         raise RuntimeError(f"gdn_workspace_bytes needs the CUDA kernels: {build.unavailable_reason()}")
     if direction == "initial_state":
-        dv_new = T * HV * 128 * 2
+        dv_new = T * HV * dispatch.GDN_CUDA_HEAD_DIM * 2  # bf16
         return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, True, False) + dv_new
     return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, direction == "backward",
                                             save_mode == "full")
