@@ -1,5 +1,5 @@
-"""Fake kernels of ``cake::gdn_fwd``, ``cake::gdn_fwd_full``, ``cake::gdn_bwd`` and
-``cake::gdn_bwd_initial_state``."""
+"""Fake kernels of ``cake::gdn_fwd``, ``cake::gdn_fwd_full``, ``cake::gdn_fwd_final_state``,
+``cake::gdn_bwd`` and ``cake::gdn_bwd_initial_state``."""
 
 import torch
 
@@ -25,6 +25,13 @@ def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
     on_cuda = q.device.type == "cuda" and dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is None
     tapes = q.new_empty(gdn_tapes_bytes(T, N, H, HV, use_qk_l2norm) if on_cuda else 0, dtype=torch.uint8)
     return o, final_state, tapes
+
+
+@torch.library.register_fake("cake::gdn_fwd_final_state")
+def gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_scale(scale)
+    return q.new_empty(N, HV, K, V, dtype=torch.float32)
 
 
 @torch.library.register_fake("cake::gdn_bwd")

@@ -139,9 +139,9 @@ class _GdnKcp(torch.autograd.Function):
             sub = [x.index_select(0, tables.source_rows) for x in (q, k, v, g, beta)]
             cu = tables.source_cu_seqlens
             eye = torch.eye(K, device=q.device).expand(sources, HV, K, K).contiguous()
-            _, E = torch.ops.cake.gdn_fwd(*sub, cu, None, *walk)
-            _, M = torch.ops.cake.gdn_fwd(sub[0], sub[1], sub[2].new_zeros(sub[2].shape[0], HV, K), sub[3],
-                                          sub[4], cu, eye, *walk)
+            E = torch.ops.cake.gdn_fwd_final_state(*sub, cu, None, *walk)
+            M = torch.ops.cake.gdn_fwd_final_state(sub[0], sub[1], sub[2].new_zeros(sub[2].shape[0], HV, K),
+                                                   sub[3], sub[4], cu, eye, *walk)
             summaries = torch.cat([E, M], dim=-1)
         if ring:
             starts = _ring_chain(summaries[..., :V], summaries[..., V:], S0, tables, kcp.ring_tables(q.device), kcp)
@@ -319,8 +319,8 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     """The largest workspace one ``cake::`` op of a ``gdn_kcp`` call allocates on this
     rank, in its forward or its backward (``direction``), on the CUDA kernels (K = V =
     128; ``cake_ops.gdn_workspace_bytes`` of each op's batch, which tests hold to the
-    allocator): the forward walks the source fragments for ``E`` and ``M`` and then all
-    fragments (in the save mode's form); the backward walks the sink fragments back for
+    allocator): the forward takes the source fragments' final states for ``E`` and ``M``
+    and then walks all fragments (in the save mode's form); the backward walks the sink fragments back for
     their start states' gradients and then runs the backward of all fragments. The ops
     run one after another, so this is the most workspace the call holds at once beside
     its tensors. Needs the CUDA extension."""
@@ -334,7 +334,8 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     if direction == "forward":
         calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, **opts)]
         if sources:
-            calls.append(gdn_workspace_bytes(sum(f.tokens for f in sources), len(sources), H, HV, **opts))
+            calls.append(gdn_workspace_bytes(sum(f.tokens for f in sources), len(sources), H, HV,
+                                             direction="final_state", **opts))
     else:
         calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, direction="backward",
                                      **opts)]

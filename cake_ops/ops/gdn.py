@@ -1,6 +1,6 @@
 """The GDN ops ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` / ``cake::gdn_bwd``,
-``cake::gdn_bwd_initial_state`` (the initial states' gradient alone, for KCP) and the
-user entry point ``gdn``.
+``cake::gdn_fwd_final_state`` and ``cake::gdn_bwd_initial_state`` (the final states
+alone and the initial states' gradient alone, for KCP) and the user entry point ``gdn``.
 
 The ops work in the packed layout (q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV];
 ``cu_seqlens`` [N+1] on the device). ``cake::gdn_fwd`` carries the autograd formula, so
@@ -163,7 +163,9 @@ def gdn_workspace_bytes(
     allocator peak of requested bytes is this plus its outputs' bytes
     (tests/cuda/test_gdn_byte_queries.py). ``direction="initial_state"``: a
     ``cake::gdn_bwd_initial_state`` call's (the light backward's workspace and the dv_new
-    its reverse walk writes on the way, bf16 [T, HV, 128]; ``save_mode`` does not enter).
+    its reverse walk writes on the way, bf16 [T, HV, 128]; ``save_mode`` does not enter);
+    ``direction="final_state"``: a ``cake::gdn_fwd_final_state`` call's (the light
+    forward's workspace: it allocates no o).
     Needs the CUDA extension (the PyTorch implementation has no workspace of its own); a
     ValueError names a bad option."""
     if save_mode not in SAVE_MODES:
@@ -177,11 +179,13 @@ def gdn_workspace_bytes(
     if direction == "initial_state":
         dv_new = T * HV * dispatch.GDN_CUDA_HEAD_DIM * 2  # bf16
         return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, True, False) + dv_new
+    if direction == "final_state":
+        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, False, False)
     return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, direction == "backward",
                                             save_mode == "full")
 
 
-WORKSPACE_DIRECTIONS = ("forward", "backward", "initial_state")
+WORKSPACE_DIRECTIONS = ("forward", "backward", "initial_state", "final_state")
 
 
 @torch.library.custom_op("cake::gdn_fwd_full", mutates_args=())
@@ -253,6 +257,50 @@ def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2n
     # The kernels' first stage checks cu_seqlens's values itself (csrc/gdn/plan.cu).
     return _launch("gdn_fwd", graph, (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                       deterministic))
+
+
+@torch.library.custom_op("cake::gdn_fwd_final_state", mutates_args=())
+def gdn_fwd_final_state(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    scale: float,
+    use_qk_l2norm: bool,
+    deterministic: bool,
+) -> torch.Tensor:
+    """The final states alone: [N, HV, K, V] fp32, bitwise the final state of
+    ``cake::gdn_fwd`` on the same arguments. On the CUDA kernels it runs the forward's
+    plan, prep and cut summaries and chain, then walks only each document's last segment,
+    without the output (no q, P~ or o: csrc/gdn/gdn.h ``gdn_fwd_final_state_walk_launch``).
+    KCP's forward uses it for the summaries of the fragments another of their document
+    follows (cake_ops/kcp/gdn.py); ``scale`` is checked but enters no state."""
+    return _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                        deterministic)
+
+
+def _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
+    check_scale(scale)
+    check_cu_seqlens_values(cu_seqlens, T)
+    effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
+    return pytorch_gdn.gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm)
+
+
+@cuda_kernel("gdn_fwd_final_state")
+def _gdn_fwd_final_state_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+    check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
+    check_scale(scale)
+    if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
+        return _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                            deterministic)
+    from .. import build
+
+    return build.load().gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
+                                            effective_deterministic(deterministic), -1, -1)
 
 
 @torch.library.custom_op("cake::gdn_bwd", mutates_args=())
@@ -405,6 +453,18 @@ def _backward(ctx, do, dht, _dtapes=None):
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
 gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _setup_final_state(ctx, inputs, output):
+    _setup_context(ctx, inputs + (False,), (None, output))
+
+
+def _backward_final_state(ctx, dht):
+    # The final states' gradient alone is the forward's with o's gradient zero.
+    return _backward(ctx, None, dht)[:-1]
+
+
+gdn_fwd_final_state.register_autograd(_backward_final_state, setup_context=_setup_final_state)
 
 SAVE_MODES = ("light", "full")
 RECOMPUTE_OUTPUT = ("auto", "always")

@@ -142,6 +142,16 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm):
     return o.to(v.dtype).contiguous(), final.contiguous()
 
 
+def gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm):
+    """The final states alone (``cake::gdn_fwd_final_state``): [N, HV, K, V] fp32,
+    bitwise ``gdn_fwd``'s (the same walk, without the output)."""
+    N = cu_seqlens.shape[0] - 1
+    HV, K, V = v.shape[1], q.shape[2], v.shape[2]
+    prep, _ = prepare(q, k, v, g, beta, cu_seqlens, use_qk_l2norm)
+    h0 = initial_state.float() if initial_state is not None else q.new_zeros(N, HV, K, V, dtype=torch.float32)
+    return _walk(prep, h0)[2].contiguous()
+
+
 class Tapes(NamedTuple):
     """What the backward's two walks leave per chunk slot and value head (fp32)."""
 

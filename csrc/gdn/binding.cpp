@@ -241,6 +241,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_full(
   return {c.o, c.final_state, c.chunks};
 }
 
+// The final states alone (cake::gdn_fwd_final_state), fp32 [N, HV, K, V]: the forward's
+// plan, prep, summaries and chain, then each document's last segment walked without
+// output (gdn_fwd_final_state_walk_launch), so the bits are gdn_fwd's final state for the
+// same arguments. No o is allocated or written.
+at::Tensor gdn_fwd_final_state(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
+                               const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                               const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
+                               bool deterministic, int64_t segment_chunks, int64_t value_splits) {
+  constexpr const char* op = "gdn_fwd_final_state";
+  const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
+                                           segment_chunks, value_splits, /*backward=*/false);
+  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
+  c.final_state = at::empty({plan.N, plan.HV, kGdnHeadDim, kGdnHeadDim}, q.options().dtype(at::kFloat));
+  c.args.final_state = c.final_state.data_ptr<float>();
+  c.args.walk_segments = kGdnWalkLast;
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  launch_stage(op, "cake::gdn_fwd_final_state/plan", gdn_fwd_plan_launch, c.args, stream);
+  launch_stage(op, "cake::gdn_fwd_final_state/prep", gdn_fwd_prep_launch, c.args, stream);
+  launch_stage(op, "cake::gdn_fwd_final_state/summaries", gdn_fwd_summary_launch, c.args, stream);
+  launch_stage(op, "cake::gdn_fwd_final_state/chain", gdn_fwd_chain_launch, c.args, stream);
+  launch_stage(op, "cake::gdn_fwd_final_state/walk", gdn_fwd_final_state_walk_launch, c.args, stream);
+  return c.final_state;
+}
+
 // A piece of a call's workspace as a tensor view.
 at::Tensor workspace_piece(const at::Tensor& workspace, int64_t offset, at::ScalarType dtype, at::IntArrayRef shape) {
   int64_t elems = 1;
@@ -754,9 +780,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 // The initial states' gradient alone (cake::gdn_bwd_initial_state): per head slice the
 // backward's prep and reverse walk, on the backward's plan, so dh0 is bitwise gdn_bwd's;
-// no tape walk, no chunk-local gradients. The walk reads q, k, the gates and do only (dS's
-// recursion holds no state), so there is no v and no initial state. dv_new, which the
-// walk writes on its way, goes to a scratch tensor.
+// no tape walk, no chunk-local gradients, and of the reverse walk only each document's
+// first segment (its cuts' summaries and chain give that segment's end gradient as in
+// gdn_bwd). The walk reads q, k, the gates and do only (dS's recursion holds no state), so
+// there is no v and no initial state. dv_new, which the walk writes on its way, goes to a
+// scratch tensor.
 at::Tensor gdn_bwd_initial_state(const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q,
                                  const at::Tensor& k, const at::Tensor& g, const at::Tensor& beta,
                                  const at::Tensor& cu_seqlens, double scale, bool use_qk_l2norm, bool deterministic,
@@ -780,8 +808,9 @@ at::Tensor gdn_bwd_initial_state(const at::Tensor& dout, const std::optional<at:
     const int64_t h0 = slice * plan.H, hv0 = slice * plan.HV;
     const GdnFwdArgs f = head_slice_args(c.args, h0, hv0, c.beta.element_size());
     launch_stage(op, "cake::gdn_bwd_initial_state/prep", gdn_bwd_tapes_prep_launch, f, stream);
-    const GdnBwdWalkArgs r = reverse_walk_args(plan, f, ws, /*beside_recompute=*/false, dout_c, dht_c, hv0,
-                                               heads_on(dv_new.data_ptr(), hv0, D, 2), dh0, scale);
+    GdnBwdWalkArgs r = reverse_walk_args(plan, f, ws, /*beside_recompute=*/false, dout_c, dht_c, hv0,
+                                         heads_on(dv_new.data_ptr(), hv0, D, 2), dh0, scale);
+    r.first_segments_only = true;
     launch_stage(op, "cake::gdn_bwd_initial_state/reverse_walk", gdn_bwd_walk_launch, r, stream);
   }
   return dh0;
@@ -841,6 +870,10 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "gdn_bwd_initial_state(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, int value_splits=-1) -> Tensor");
   m.def(
+      "gdn_fwd_final_state(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
+      "int value_splits=-1) -> Tensor");
+  m.def(
       "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
       "int value_splits=-1) -> (Tensor, Tensor, Tensor tapes)");
@@ -859,4 +892,5 @@ TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
   m.impl("gdn_bwd", &cake::gdn_bwd);
   m.impl("gdn_fwd_full", &cake::gdn_fwd_full);
   m.impl("gdn_bwd_initial_state", &cake::gdn_bwd_initial_state);
+  m.impl("gdn_fwd_final_state", &cake::gdn_fwd_final_state);
 }

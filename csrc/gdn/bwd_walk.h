@@ -47,7 +47,8 @@
 //                  which the chunk-local gradients overwrite: gdn/bwd_local.h)
 //   dh0            [N, HV, 128, 128] fp32 out
 // Every element of every used slot (< chunk_offsets[N]) of dS and every element of dv_new
-// and dh0 is written; later slots are not.
+// and dh0 is written (with first_segments_only, dh0 and the first segments' dS and dv_new
+// rows); later slots are not.
 // Grids from static bounds (no host sync). Deterministic (no atomics; the cut grid of the
 // deterministic plan is the document's own, so its bits do not depend on its neighbours).
 
@@ -84,6 +85,9 @@ struct GdnBwdWalkArgs {
   float scale;  // finite, > 0
   // The value splits of the tape walk and of the summaries (1 or 2; the forward plan's).
   int value_splits, summary_splits;
+  // Only each document's first segment walked back (gdn_bwd_initial_state: dh0 alone; the
+  // summaries and the chain as always): the other segments write no dS tape and no dv_new.
+  bool first_segments_only;
 };
 
 // Summaries, chain, tape walk (bwd_chain.cu).

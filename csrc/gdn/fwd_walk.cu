@@ -4,7 +4,8 @@
 //            from the segment's start state; the last segment writes the final state;
 //   tape:    the backward's recompute: the output mode's walks (same start states, same
 //            chain instructions), writing per chunk the h tape instead of o (no q, P~
-//            or O; no final state; fwd_walk_tapes.cuh);
+//            or O; no final state; fwd_walk_tapes.cuh); without a tape, the documents'
+//            last segments only, for their final states (gdn_fwd_final_state);
 //   output and tape: both at once, the forward of the full save mode (its tape is
 //            bitwise tape mode's: the same chain instructions, the same fragments);
 //   reverse: the backward's reverse walk of the state gradient (gdn/bwd_walk.h) on this
@@ -247,6 +248,7 @@ GdnFwdArgs reverse_walk_args(const GdnBwdWalkArgs& r) {
   p.summary_splits = r.summary_splits;
   p.scale = r.scale;
   p.use_qk_l2norm = r.qk_lrn != nullptr;
+  p.walk_segments = r.first_segments_only ? kGdnWalkFirst : kGdnWalkAll;
   return p;
 }
 
@@ -269,6 +271,12 @@ cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   if (p.h_tape == nullptr) return cudaErrorInvalidValue;
+  return launch_walk<WalkMode::kTape>(p, stream);
+}
+
+cudaError_t gdn_fwd_final_state_walk_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
+  if (p.h_tape != nullptr || p.final_state == nullptr || p.walk_segments != kGdnWalkLast) return cudaErrorInvalidValue;
   return launch_walk<WalkMode::kTape>(p, stream);
 }
 

@@ -95,6 +95,7 @@ __device__ __forceinline__ Walk find_reverse_summary(const GdnFwdCoreArgs& p, in
 // kReverse (the reverse walk, fwd_walk_reverse.cuh) takes the args as that walk's launch
 // sets them: initial_state = dht, final_state = dh0, seg_state = the chained end
 // gradients; its S0 is dS at the segment's end, S_end dh0 at a document's first segment.
+// Segment walks past p.walk_segments (gdn.h) do not run.
 template <WalkMode kMode, int kStateWgs>
 __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index) {
   if constexpr (kMode == WalkMode::kReverseSummary) return find_reverse_summary<kStateWgs>(p, index);
@@ -112,6 +113,11 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index
   const SegmentPos sp =
       find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max, slot);
   if (w.transfer && sp.seg == 0) return w;
+  if constexpr (kSegmentWalk) {  // a call that needs only the first or the last segments' ends
+    if ((p.walk_segments == kGdnWalkFirst && sp.seg != 0) ||
+        (p.walk_segments == kGdnWalkLast && sp.seg != sp.nseg - 1))
+      return w;
+  }
 
   // The seg_ workspaces hold inner segments only, by inner index slot - doc (document n's
   // first inner segment is seg_offsets[n] - n).
@@ -143,8 +149,9 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index
     w.S_end = sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV_stride + hv) * kMat : nullptr;
   else if constexpr (kMode == WalkMode::kSummary)
     w.S_end = (w.transfer ? p.seg_transfer : p.seg_state) + (inner * p.HV + hv) * kMat;
-  else if constexpr (kMode == WalkMode::kTape)
-    w.S_end = nullptr;  // no final state (the tapes only)
+  else if constexpr (kMode == WalkMode::kTape)  // the final state only in gdn_fwd_final_state's walk
+    w.S_end = p.final_state != nullptr && sp.seg == sp.nseg - 1 ? p.final_state + (sp.doc * p.HV_stride + hv) * kMat
+                                                                 : nullptr;
 
   const int c0 = sp.c0 + skip;
   w.nch = sp.nch - skip;

@@ -152,7 +152,7 @@ __device__ __forceinline__ void state_warpgroup(const GdnFwdCoreArgs& p, unsigne
       for (int ks = 0; ks < 8; ++ks) wgmma::mma_rs_m64n64k16<0>(o, sfrag[ks], wgmma::desc_k_major(sq, 64, ks), ks > 0);
     }
     wgmma::commit();  // (an empty group in summary and tape modes keeps the wait counts below)
-    if constexpr (kTape) {  // h: S^T at the chunk's start, while U^T is formed
+    if (kTape && tapes.h != nullptr) {  // h: S^T at the chunk's start, while U^T is formed (none: the final states' walk)
       __nv_bfloat16* h_rows = static_cast<__nv_bfloat16*>(tapes.h) +
                               (((first_slot + c) * p.HV + hv) * kGdnHeadDim + v0 + 16 * warp) * kGdnHeadDim;
       store_h_chunk(sfrag, smem + (kOutput ? kHStageOff : kQOff) + (4 * wg + warp) * 2048, h_rows);

@@ -128,7 +128,17 @@ struct GdnFwdCoreArgs {
   int sm_count;        // the device's SMs: the persistent summary grid's size bound
   float scale;
   bool use_qk_l2norm;
+  // Which segments the segment walks (output, tape and reverse modes) run: all
+  // (kGdnWalkAll), or only each document's first (kGdnWalkFirst: the reverse walk of
+  // gdn_bwd_initial_state, whose dh0 is the first segment's end) or last (kGdnWalkLast:
+  // gdn_fwd_final_state, whose final state is the last segment's end). The other
+  // segments' walks return at once; the summaries and the chain run as always, so the
+  // walked segments start from the same states and give the same bits. It sits in the
+  // padding after use_qk_l2norm: the struct's size, and so the walk kernel's parameter
+  // layout, is unchanged.
+  uint8_t walk_segments;
 };
+constexpr uint8_t kGdnWalkAll = 0, kGdnWalkFirst = 1, kGdnWalkLast = 2;
 
 // GdnFwdCoreArgs plus what only the backward's recompute (gdn_bwd_tapes_launch) writes;
 // nullptr in the forward. The walk kernel takes the core by value and the tapes as a
@@ -180,5 +190,10 @@ cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);  // the walk in tape mode
+// The final states alone (gdn_fwd_final_state): in place of the walk, each document's last
+// segment walked in tape mode without a tape (no q, P~ or o), from its chained start
+// state, writing final_state; args.walk_segments = kGdnWalkLast, h_tape and o nullptr. The
+// same start state and the same chain instructions as the output walk's: the same bits.
+cudaError_t gdn_fwd_final_state_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 
 }  // namespace cake

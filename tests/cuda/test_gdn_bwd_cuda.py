@@ -213,6 +213,29 @@ def test_cut_reverse_walk_matches_fp64(ops, gate):
     _assert_within_contract(grads, _reference_grads(inp, True, do, dht), "cut reverse walk")
 
 
+@pytest.mark.parametrize("gate", ["normal", "window4"], ids=["truncated_cuts", "truncated_and_exact_cuts"])
+@pytest.mark.parametrize("segment_chunks, value_splits", [(-1, -1), (8, 1), (8, 2), (2, 1)])
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_end_states_alone_are_the_full_calls_bits(ops, gate, segment_chunks, value_splits, deterministic):
+    """gdn_fwd_final_state (the documents' last segments walked alone) is bitwise
+    gdn_fwd's final state, and gdn_bwd_initial_state (their first segments walked back
+    alone) bitwise gdn_bwd's dh0, on cut grids: the plan's own (a 17,000-token document
+    is cut on every device) and forced ones with truncated and exact cuts, empty and
+    one-token documents among them; outputs NaN-poisoned."""
+    case = GdnCase(f"ends_{gate}", (17000, 64 * 19, 70, 0, 1), H=2, G=2, l2norm=True, initial_state=True)
+    inp = case.inputs("cuda")
+    if gate == "window4":
+        inp["g"] = torch.full_like(inp["g"], -0.08)
+    do, dht = _grad_inputs(inp, 31)
+    q, k, v, g, beta, cu, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state"))
+    plan = (128**-0.5, True, deterministic, segment_chunks, value_splits)
+    with poisoned_allocations():
+        final = ops.gdn_fwd_final_state(q, k, v, g, beta, cu, h0, *plan)
+        dh0 = ops.gdn_bwd_initial_state(do, dht, q, k, g, beta, cu, *plan)
+    assert torch.equal(final, ops.gdn_fwd(q, k, v, g, beta, cu, h0, *plan)[1])
+    assert torch.equal(dh0, ops.gdn_bwd(do, dht, q, k, v, g, beta, cu, h0, *plan, -1, None)[5])
+
+
 @pytest.mark.parametrize("case, segment_chunks", [(CASES[5], 8), (CASES[2], 2)],
                          ids=["long_doc_grid8", "pack_gva2_grid2"])
 def test_forced_cut_grids_match_fp64(ops, case, segment_chunks):

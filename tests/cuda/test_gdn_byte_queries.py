@@ -69,3 +69,23 @@ def test_initial_state_workspace_bytes_are_the_allocator_peak(lengths, H, G, use
     ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
                                       direction="initial_state")
     assert peak == ws + _bytes([dh0]), (peak, ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths, H, G", [([4096, 300, 1, 64], 2, 3), ([11000, 12000, 9768], 16, 3)],
+                         ids=["small", "s32k_h16"])
+@pytest.mark.parametrize("use_qk_l2norm, deterministic", [(True, True), (False, False)])
+def test_final_state_workspace_bytes_are_the_allocator_peak(lengths, H, G, use_qk_l2norm, deterministic):
+    """gdn_workspace_bytes(direction="final_state") is a cake::gdn_fwd_final_state call's
+    peak of requested bytes less its output."""
+    from cake_ops import build
+
+    ops = build.load()
+    T, N, HV = sum(lengths), len(lengths), G * H
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=3)
+    peak, final = _peak_above(lambda: ops.gdn_fwd_final_state(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"],
+                                                               inp["cu_seqlens"], None, 128**-0.5, use_qk_l2norm,
+                                                               deterministic))
+    ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
+                                      direction="final_state")
+    assert peak == ws + _bytes([final]), (peak, ws)

@@ -90,7 +90,8 @@ class _CakeCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
-        if name in ("cake::gdn_fwd", "cake::gdn_fwd_full", "cake::gdn_bwd", "cake::gdn_bwd_initial_state"):
+        if name in ("cake::gdn_fwd", "cake::gdn_fwd_full", "cake::gdn_fwd_final_state", "cake::gdn_bwd",
+                    "cake::gdn_bwd_initial_state"):
             if name == "cake::gdn_bwd_initial_state":
                 q, g, cu, l2, det, form = args[2], args[4], args[6], args[8], args[9], ("light", "initial_state")
             elif name == "cake::gdn_bwd":
@@ -99,7 +100,8 @@ class _CakeCalls(TorchDispatchMode):
                 form = ("full" if tapes is not None and tapes.numel() else "light", "backward")
             else:
                 q, g, cu, l2, det = args[0], args[3], args[5], args[8], args[9]
-                form = ("full" if name == "cake::gdn_fwd_full" else "light", "forward")
+                form = ("full" if name == "cake::gdn_fwd_full" else "light",
+                        "final_state" if name == "cake::gdn_fwd_final_state" else "forward")
             self.bytes.append((form[1], cake_ops.gdn_workspace_bytes(
                 q.shape[0], cu.shape[0] - 1, q.shape[1], g.shape[1], use_qk_l2norm=l2, deterministic=det,
                 save_mode=form[0], direction=form[1])))

@@ -63,6 +63,17 @@ def test_opcheck_gdn_bwd(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("initial_state", [True, False])
+def test_opcheck_gdn_fwd_final_state(device, initial_state):
+    i = _gdn_args(device, initial_state=initial_state)
+    args = [i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, True, True]
+    for n in (0, 1, 2, 3, 4, 6):
+        if args[n] is not None:
+            args[n] = args[n].requires_grad_()
+    torch.library.opcheck(torch.ops.cake.gdn_fwd_final_state.default, args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_opcheck_gdn_fwd_full(device):
     i = _gdn_args(device)
     args = [i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, True, True]
@@ -407,6 +418,31 @@ def test_gdn_bwd_initial_state_is_gdn_bwds_dh0(case, device):
     acc = accuracy(got, h0_ref.grad)
     record_accuracy("gdn_bwd_initial_state dh0", acc)
     assert acc.ok, (case.id, device, acc)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", params(CASES))
+def test_gdn_fwd_final_state_is_gdn_fwds(case, device):
+    """cake::gdn_fwd_final_state is bitwise the final state of cake::gdn_fwd (its output
+    NaN-poisoned), and its gradient (through gdn_bwd with o's gradient zero) is gdn_fwd's
+    with o unused."""
+    inp = case.inputs(device)
+    args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens", "initial_state")]
+    scale, l2 = case.K**-0.5, case.l2norm
+    with poisoned_allocations():
+        got = torch.ops.cake.gdn_fwd_final_state(*args, scale, l2, True)
+        want = torch.ops.cake.gdn_fwd(*args, scale, l2, True)[1]
+    assert got.dtype == torch.float32 and torch.equal(got, want), (case.id, device)
+    for n in (0, 1, 2, 3, 4, 6):
+        if args[n] is not None:
+            args[n] = args[n].detach().requires_grad_()
+    leaves = [a for a in args[:5] + args[6:] if a is not None]
+    dht = torch.randn_like(got)
+    grads = torch.autograd.grad(torch.ops.cake.gdn_fwd_final_state(*args, scale, l2, True), leaves, dht,
+                                allow_unused=True)
+    wants = torch.autograd.grad(torch.ops.cake.gdn_fwd(*args, scale, l2, True)[1], leaves, dht, allow_unused=True)
+    for a, b in zip(grads, wants):
+        assert (a is None and b is None) or torch.equal(a, b), case.id
 
 
 def test_gdn_bwd_initial_state_names_a_bad_do():
