@@ -130,9 +130,15 @@ class _GdnKcp(torch.autograd.Function):
                 output_final_state, ring, save_transfer):
         K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
         tables = kcp.chain_tables(q.device)
+        walk = (scale, use_qk_l2norm, deterministic)
+        fctx.kcp, fctx.walk, fctx.ring, fctx.save_transfer = kcp, walk, ring, save_transfer
+        fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
+        if kcp.source_slots == 0 and initial_state is None:
+            # No document crosses a rank boundary and none has an initial state: every
+            # fragment is a whole document from zero, the single-GPU op on this rank's rows.
+            return _GdnKcp._unchained(fctx, q, k, v, g, beta, kcp, tables, walk, full, output_final_state)
         S0 = (initial_state.float() if initial_state is not None
               else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
-        walk = (scale, use_qk_l2norm, deterministic)
         sources = tables.source_cu_seqlens.shape[0] - 1
         summaries = q.new_zeros(0, HV, K, V + K, dtype=torch.float32)
         if sources:  # E from zero, M from the identity with v = 0, over the source fragments only
@@ -158,15 +164,30 @@ class _GdnKcp(torch.autograd.Function):
             o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk)
         else:
             (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk), None
-        fctx.kcp, fctx.walk, fctx.ring, fctx.save_transfer = kcp, walk, ring, save_transfer
-        fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
         # The source sub-batch is formed again in the backward, not kept.
         fctx.save_for_backward(q, k, v, g, beta, starts, transfers, S0, tapes)
+        return o, _GdnKcp._final_states(final, S0, kcp, tables) if output_final_state else None
+
+    @staticmethod
+    def _final_states(final, S0, kcp, tables):
+        """Each document's final state from the rank holding its last fragment, to every
+        rank (an empty document's is its initial state, S0)."""
+        every_final = collectives.gather(_padded(final.index_select(0, tables.last_slots), kcp.last_slots), kcp)
+        return torch.cat([every_final, S0]).index_select(0, tables.final_rows)
+
+    @staticmethod
+    def _unchained(fctx, q, k, v, g, beta, kcp, tables, walk, full, output_final_state):
+        """The forward where no fragment needs a start state: no chain, no initial states
+        passed or saved, and in the backward no end gradients but the final states'."""
+        if full:
+            o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, None, *walk)
+        else:
+            (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, None, *walk), None
+        fctx.save_for_backward(q, k, v, g, beta, None, None, None, tapes)
         if not output_final_state:
             return o, None
-        # Each document's final state from the rank holding its last fragment, to every rank.
-        every_final = collectives.gather(_padded(final.index_select(0, tables.last_slots), kcp.last_slots), kcp)
-        return o, torch.cat([every_final, S0]).index_select(0, tables.final_rows)
+        zeros = final.new_zeros(kcp.documents, *final.shape[1:])
+        return o, _GdnKcp._final_states(final, zeros, kcp, tables)
 
     @staticmethod
     def backward(fctx, do, dfinal):
@@ -174,17 +195,21 @@ class _GdnKcp(torch.autograd.Function):
         q, k, v, g, beta, starts, transfers, S0, tapes = fctx.saved_tensors
         tables = kcp.chain_tables(q.device)
         do = torch.zeros_like(v) if do is None else do
-        dS0 = torch.zeros_like(S0)
+        state = (kcp.documents, v.shape[1], q.shape[-1], v.shape[-1])
+        dS0 = q.new_zeros(state, dtype=torch.float32) if S0 is not None else None
         # Each local fragment's end gradient: the final states' (document-last fragments)
         # or, for a source, its next fragment's start gradient (below).
-        dht = torch.zeros_like(starts)
+        dht = q.new_zeros(kcp.cu_seqlens.shape[0] - 1, *state[1:], dtype=torch.float32) if S0 is not None else None
         if fctx.output_final_state:
-            dfinal = torch.zeros_like(S0) if dfinal is None else dfinal
+            dfinal = q.new_zeros(state, dtype=torch.float32) if dfinal is None else dfinal
             pool = kcp.world * kcp.last_slots
-            dcat = dfinal.new_zeros(pool + S0.shape[0], *S0.shape[1:]).index_copy(0, tables.final_rows, dfinal)
+            dcat = dfinal.new_zeros(pool + state[0], *state[1:]).index_copy(0, tables.final_rows, dfinal)
             mine = collectives.gather_adjoint(dcat[:pool], kcp)[: tables.last_slots.shape[0]]
+            if dht is None:
+                dht = q.new_zeros(kcp.cu_seqlens.shape[0] - 1, *state[1:], dtype=torch.float32)
             dht = dht.index_copy(0, tables.last_slots, mine)
-            dS0 = dS0 + dcat[pool:]
+            if dS0 is not None:
+                dS0 = dS0 + dcat[pool:]
         if kcp.sink_slots:
             # The sinks' start-state gradients from their own outputs and end gradients, to
             # every rank. A sink that is a source too (a document's middle) walks back from
@@ -210,8 +235,9 @@ class _GdnKcp(torch.autograd.Function):
         # <dS_end, M S_start + E> is that of its walk's end state).
         dq, dk, dv, dg, dbeta, dstarts = torch.ops.cake.gdn_bwd(do, dht, q, k, v, g, beta, kcp.cu_seqlens, starts,
                                                                 *walk, tapes)
-        dS0 = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
-        dh0 = dS0 if fctx.has_initial else None
+        dh0 = None
+        if fctx.has_initial:
+            dh0 = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
         return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None, None
 
 
@@ -292,12 +318,14 @@ EXCHANGES = ("a2a", "ring")
 def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128, *,
                     dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype = torch.float32,
                     use_qk_l2norm: bool = False, save_mode: str = "light", cuda_kernels: bool = True,
-                    exchange: str = "a2a", save_transfer: bool = True) -> int:
+                    exchange: str = "a2a", save_transfer: bool = True, initial_state: bool = False) -> int:
     """Bytes of the tensors one ``gdn_kcp`` call on this rank keeps from its forward to
     its backward: its rows of q, k, v (``dtype``), g (fp32) and beta; the fragments'
     start states, the transfers ``M`` (every rank's, gathered, with ``save_transfer``;
     else this rank's own: padded to its source slots for the backward's all-gather in the
-    a2a exchange, unpadded in the ring) and the documents' initial states (the caller's fp32 tensor, or zeros), fp32; in the
+    a2a exchange, unpadded in the ring) and the documents' initial states (the caller's
+    fp32 tensor, or zeros), fp32, unless no document crosses a rank boundary and the call
+    has no ``initial_state`` (then every fragment is a whole document from zero); in the
     full save mode
     the finishing walk's tapes (``gdn_tapes_bytes``) where the CUDA kernels run the call
     (``cuda_kernels``). Tests compare it with what the call saves."""
@@ -305,7 +333,8 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     T, F, state = ctx.local_tokens, len(ctx.fragments[ctx.rank]), HV * K * V * 4
     saved = (2 * T * H * K + T * HV * V) * dtype.itemsize + T * HV * (4 + beta_dtype.itemsize)
-    saved += F * state + ctx.documents * state
+    if ctx.source_slots or initial_state:  # the fragments' start states and the documents' initial states
+        saved += F * state + ctx.documents * state
     transfers = ctx.world * ctx.source_slots if exchange == "a2a" and save_transfer else (
         ctx.source_slots if exchange == "a2a" else len(ctx.sources[ctx.rank]))
     saved += transfers * HV * K * K * 4

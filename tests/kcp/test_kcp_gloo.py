@@ -125,6 +125,39 @@ def test_kcp_ranks_without_tokens():
     run_ranks(_tiny, 4, timeout=300)
 
 
+def _unchained(rank, world):
+    """No document crosses a rank boundary and no initial state: each rank runs the
+    single-process op on its rows (no chain, no start states). The outputs, final states
+    and gradients are the single-process ones, with and without output_final_state."""
+    lengths, H, HV = [17, 23, 0] * world, 1, 2
+    inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, seed=4)
+    names = ("q", "k", "v", "g", "beta")
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="C")
+    assert ctx.source_slots == 0
+    gen = torch.Generator().manual_seed(5)
+    do = torch.randn(inp["v"].shape, generator=gen)
+    dht = torch.randn(len(lengths), HV, K, V, generator=gen)
+    leaves = [inp[n].clone().requires_grad_(True) for n in names]
+    o_ref, ht_ref = cake_ops.gdn(*leaves, inp["cu_seqlens"], output_final_state=True)
+    for with_final in (True, False):
+        outs_ref, douts_ref = ((o_ref, ht_ref), (do, dht)) if with_final else ((o_ref,), (do,))
+        refs = torch.autograd.grad(outs_ref, leaves, douts_ref, retain_graph=True)
+        local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in names]
+        o, ht = gdn_kcp(*local, ctx, output_final_state=with_final)
+        where = f"final state {with_final}, rank {rank}/{world}"
+        _close(f"o ({where})", o, ctx.shard(o_ref))
+        if with_final:
+            _close(f"final_state ({where})", ht, ht_ref)
+        # Only rank 0's loss reads the final states (their gradient is the sum over the ranks).
+        outs, douts = ((o, ht), (ctx.shard(do), dht)) if with_final and rank == 0 else ((o,), (ctx.shard(do),))
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), torch.autograd.grad(outs, local, douts), refs):
+            _close(f"{name} ({where})", a, ctx.shard(b))
+
+
+def test_kcp_without_crossing_documents():
+    run_ranks(_unchained, 3, timeout=300)
+
+
 def _traced_and_checkpointed(rank, world):
     """torch.compile(fullgraph=True) of a KCP GDN + short conv forward, and the same under
     a non-reentrant checkpoint: outputs and gradients bitwise the eager ones."""
@@ -271,8 +304,20 @@ def _saved(rank, world, result):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 gdn_kcp(*local, ctx, initial_state=h0, exchange=exchange, save_transfer=save_transfer)
             want = kcp_saved_bytes(ctx, H, HV, K, V, dtype=torch.float32, cuda_kernels=False, exchange=exchange,
-                                   save_transfer=save_transfer)
+                                   save_transfer=save_transfer, initial_state=h0 is not None)
             result.setdefault(rank, []).append((sum(storages.values()), want))
+    # Without crossing documents and initial states: no start states are kept.
+    lengths = [17, 23] * world
+    inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=3)
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="C")
+    for h0 in (None, inp["initial_state"]):
+        local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
+        storages.clear()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            gdn_kcp(*local, ctx, initial_state=h0)
+        want = kcp_saved_bytes(ctx, H, HV, K, V, dtype=torch.float32, cuda_kernels=False,
+                               initial_state=h0 is not None)
+        result.setdefault(rank, []).append((sum(storages.values()), want))
 
 
 def test_kcp_saved_bytes_are_what_the_call_saves(one_intra_op_thread):
