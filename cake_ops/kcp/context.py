@@ -248,7 +248,9 @@ class ChainTables:
     sub-batch of its rows; ``sink_rows``, ``sink_cu_seqlens``, ``sink_fragments``: its sink
     fragments (those preceded by another of their document: their start states'
     gradients are exchanged in the backward), the same way, and their local fragment
-    indices; ``steps[p]``: (the documents with a p-th source, those sources' flat slots
+    indices; ``source_span``, ``sink_span``: (start, stop) where those rows are one range of
+    the local rows (a rank's sources are its last fragments, its sinks its first, unless a
+    document starts and ends on it between them), so the sub-batch is a view, else None; ``steps[p]``: (the documents with a p-th source, those sources' flat slots
     rank * source_slots + j in the gathered summaries, the flat slots rank * sink_slots + j
     of the fragments after them in the gathered sink gradients); ``local_starts``: per
     local fragment, its start state's row among [the N initial states, the states the
@@ -261,8 +263,10 @@ class ChainTables:
 
     source_rows: torch.Tensor
     source_cu_seqlens: torch.Tensor
+    source_span: tuple[int, int] | None
     sink_rows: torch.Tensor
     sink_cu_seqlens: torch.Tensor
+    sink_span: tuple[int, int] | None
     sink_fragments: torch.Tensor
     steps: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     local_starts: torch.Tensor
@@ -306,13 +310,17 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
         for s in slots:
             rows_ += range(offsets[s], offsets[s + 1])
             cu.append(cu[-1] + frags[s].tokens)
-        return as_index(rows_), as_index(cu, torch.int32)
+        span = (rows_[0], rows_[-1] + 1) if rows_ and rows_ == list(range(rows_[0], rows_[-1] + 1)) else None
+        return as_index(rows_), as_index(cu, torch.int32), span
 
     my_sources, my_sinks = ctx.sources[ctx.rank], ctx.sinks[ctx.rank]
     firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]
     final_rows = [last_index[f[-1]] if f else ctx.world * ctx.last_slots + d for d, f in enumerate(per_doc)]
+    source_rows, source_cu, source_span = sub_batch(my_sources)
+    sink_rows, sink_cu, sink_span = sub_batch(my_sinks)
     return ChainTables(
-        *sub_batch(my_sources), *sub_batch(my_sinks), sink_fragments=as_index(my_sinks), steps=tuple(steps),
+        source_rows, source_cu, source_span, sink_rows, sink_cu, sink_span, sink_fragments=as_index(my_sinks),
+        steps=tuple(steps),
         local_starts=as_index([start_row.get((ctx.rank, s), rows) for s in range(len(frags))]),
         local_sources=as_index([source_index.get((ctx.rank, s), -1) for s in range(len(frags))]),
         first_fragments=as_index([s for s, _ in firsts]), first_docs=as_index([d for _, d in firsts]),

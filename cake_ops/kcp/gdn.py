@@ -47,6 +47,12 @@ def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])]) if x.shape[0] < rows else x
 
 
+def _sub_batch(xs, rows, span):
+    """The rows of each of ``xs`` a source or sink sub-batch takes: a view where they are
+    one range, else a gather."""
+    return [x[span[0]:span[1]] if span is not None else x.index_select(0, rows) for x in xs]
+
+
 def _chain(E, M, S0, tables):
     """This rank's fragments' start states [F, HV, K, V] from every rank's source
     summaries ``E`` [W * source_slots, HV, K, V] and ``M`` [.., K, K] and the documents'
@@ -142,7 +148,7 @@ class _GdnKcp(torch.autograd.Function):
         sources = tables.source_cu_seqlens.shape[0] - 1
         summaries = q.new_zeros(0, HV, K, V + K, dtype=torch.float32)
         if sources:  # E from zero, M from the identity with v = 0, over the source fragments only
-            sub = [x.index_select(0, tables.source_rows) for x in (q, k, v, g, beta)]
+            sub = _sub_batch((q, k, v, g, beta), tables.source_rows, tables.source_span)
             cu = tables.source_cu_seqlens
             eye = torch.eye(K, device=q.device).expand(sources, HV, K, K).contiguous()
             E = torch.ops.cake.gdn_fwd_final_state(*sub, cu, None, *walk)
@@ -216,10 +222,10 @@ class _GdnKcp(torch.autograd.Function):
             # zero here: the gradient at its end enters through the chain, as Mᵀ dS_end.
             F = q.new_zeros(0, *starts.shape[1:], dtype=torch.float32)
             if tables.sink_fragments.numel():
-                rows = tables.sink_rows
                 F = torch.ops.cake.gdn_bwd_initial_state(
-                    do.index_select(0, rows), dht.index_select(0, tables.sink_fragments).contiguous(),
-                    *(x.index_select(0, rows) for x in (q, k, g, beta)), tables.sink_cu_seqlens, *walk)
+                    *_sub_batch((do,), tables.sink_rows, tables.sink_span),
+                    dht.index_select(0, tables.sink_fragments).contiguous(),
+                    *_sub_batch((q, k, g, beta), tables.sink_rows, tables.sink_span), tables.sink_cu_seqlens, *walk)
             if fctx.ring:
                 F_local = torch.zeros_like(starts).index_copy(0, tables.sink_fragments, F)
                 picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
