@@ -40,13 +40,14 @@ def _gdn_args(device, seed=0, initial_state=True, beta_dtype=torch.float32):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("initial_state", [True, False])
-def test_opcheck_gdn_fwd(device, initial_state):
+@pytest.mark.parametrize("op", ["gdn_fwd", "gdn_fwd_final_state"])
+def test_opcheck_gdn_fwd(device, initial_state, op):
     i = _gdn_args(device, initial_state=initial_state)
     args = [i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, True, True]
     for n in (0, 1, 2, 3, 4, 6):
         if args[n] is not None:
             args[n] = args[n].requires_grad_()
-    torch.library.opcheck(torch.ops.cake.gdn_fwd.default, args)
+    torch.library.opcheck(getattr(torch.ops.cake, op).default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -60,17 +61,6 @@ def test_opcheck_gdn_bwd(device):
         torch.library.opcheck(torch.ops.cake.gdn_bwd.default, args)
         torch.library.opcheck(torch.ops.cake.gdn_bwd_initial_state.default,
                               [do, d, i["q"], i["k"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True, True])
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("initial_state", [True, False])
-def test_opcheck_gdn_fwd_final_state(device, initial_state):
-    i = _gdn_args(device, initial_state=initial_state)
-    args = [i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], i["initial_state"], 0.25, True, True]
-    for n in (0, 1, 2, 3, 4, 6):
-        if args[n] is not None:
-            args[n] = args[n].requires_grad_()
-    torch.library.opcheck(torch.ops.cake.gdn_fwd_final_state.default, args)
 
 
 @pytest.mark.parametrize("device", DEVICES)
