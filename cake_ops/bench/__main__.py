@@ -143,10 +143,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     """Parse argv (default sys.argv[1:]), run, print the table(s), write the JSON; the report."""
     args = parse_args(argv)
     if args.cp is not None:
-        from .kcp import format_kcp_table, run_kcp
+        from .kcp import format_kcp_kernels, format_kcp_table, run_kcp
 
         report = run_kcp(args)
         print(format_kcp_table(report), flush=True)
+        if args.kernels:
+            print(format_kcp_kernels(report), flush=True)
         if args.json:
             write_json(report, args.json)
             print(f"wrote {args.json}", flush=True)

@@ -14,6 +14,7 @@ Times are ``kernel_ms`` as the benchmark's (profiler; wall-clock on a CPU).
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from typing import Any
 
@@ -22,9 +23,19 @@ import torch
 from .accuracy import GRAD_NAMES, reference_outputs
 from .report import make_meta
 from .shapes import ACCURACY_SHAPE, KCP_SHAPES, QUICK_SHAPES, SHAPES, make_inputs
-from .timing import Timer
+from .timing import Timer, median_split
 
 NAMES = ("q", "k", "v", "g", "beta")
+
+
+def _by_kernel(split: dict[str, float]) -> dict[str, float]:
+    """ms per kernel name: the ranks' threads interleave their launches, so the split's
+    ``name#j`` ranks within a call mean nothing here and are summed."""
+    out: dict[str, float] = {}
+    for label, ms in split.items():
+        name = re.sub(r"#\d+$", "", label)
+        out[name] = out.get(name, 0.0) + ms
+    return out
 
 
 def _kcp_step(inp, world: int, layout: str, out: dict):
@@ -113,11 +124,17 @@ def run_kcp(args) -> dict:
             for _ in range(args.warmup):
                 step()
         timer.sync()
-        ms = {k: statistics.median(timer.kernel_ms(step, 1)[0] for _ in range(args.calls)) for k, step in steps.items()}
+        ms, kernels = {}, {}
+        for k, step in steps.items():
+            samples, splits = [], []
+            for _ in range(args.calls):
+                samples.append(timer.kernel_ms(step, 1)[0])
+                splits.append(_by_kernel(timer.last_kernels))
+            ms[k], kernels[k] = statistics.median(samples), median_split(splits)
         per_rank = ms["kcp"] / args.cp
         row = {"shape": name, "single_ms": ms["single"], "kcp_all_ranks_ms": ms["kcp"], "per_rank_ms": per_rank,
                "per_rank_over_single_per_rank": per_rank / (ms["single"] / args.cp),
-               "comm_bytes_per_rank": out[0][3]}
+               "comm_bytes_per_rank": out[0][3], "kernels": kernels}
         report["results"].append(row)
         del inp, out, steps
     return report
@@ -133,3 +150,18 @@ def format_kcp_table(report: dict) -> str:
         lines.append(f"{r['shape']:10s} {r['single_ms']:10.3f} {r['kcp_all_ranks_ms']:10.3f} {r['per_rank_ms']:10.3f} "
                      f"{r['per_rank_over_single_per_rank']:10.2f}  {comm}")
     return "\n".join(lines)
+
+
+def format_kcp_kernels(report: dict, min_ms: float = 0.01) -> str:
+    """Per shape, each kernel's ms per step, single device against all KCP ranks, largest
+    difference first: what KCP adds."""
+    out = ["kernels per step (ms; median over the kernel_ms samples), single device | KCP all ranks | difference:"]
+    for r in report["results"]:
+        single, kcp = r["kernels"]["single"], r["kernels"]["kcp"]
+        out.append(f"{r['shape']}")
+        rows = sorted(set(single) | set(kcp), key=lambda n: -(kcp.get(n, 0.0) - single.get(n, 0.0)))
+        for n in rows:
+            a, b = single.get(n, 0.0), kcp.get(n, 0.0)
+            if max(a, b) >= min_ms:
+                out.append(f"  {a:8.3f} {b:8.3f} {b - a:+8.3f}  {n}")
+    return "\n".join(out)

@@ -243,14 +243,15 @@ def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, outp
 class ChainTables:
     """Index tensors (int64) of ``gdn_kcp``'s exchanges and chain.
 
-    ``source_rows``, ``source_cu_seqlens``: this rank's source fragments (those followed
-    by another fragment of their document: their summaries are exchanged) as a packed
-    sub-batch of its rows; ``sink_rows``, ``sink_cu_seqlens``, ``sink_fragments``: its sink
-    fragments (those preceded by another of their document: their start states'
-    gradients are exchanged in the backward), the same way, and their local fragment
-    indices; ``source_span``, ``sink_span``: (start, stop) where those rows are one range of
-    the local rows (a rank's sources are its last fragments, its sinks its first, unless a
-    document starts and ends on it between them), so the sub-batch is a view, else None; ``steps[p]``: (the documents with a p-th source, those sources' flat slots
+    This rank's fragments fall into sub-batches of its rows (``SubBatch``): ``lead``, its
+    *lead* sources (sources, followed by another fragment of their document, that start
+    their document: their start state is known before any exchange), ``relay``, its other
+    sources (preceded and followed by fragments of their document), ``rest``, every
+    fragment that is not a lead source, and ``sinks``, its sink fragments (preceded by
+    another of their document: their start states' gradients are exchanged in the
+    backward); ``lead_sources``, ``relay_sources``: the lead and relay sources' places
+    among this rank's sources (ascending slots, the order of its summaries);
+    ``lead_docs``: the lead sources' documents; ``steps[p]``: (the documents with a p-th source, those sources' flat slots
     rank * source_slots + j in the gathered summaries, the flat slots rank * sink_slots + j
     of the fragments after them in the gathered sink gradients); ``local_starts``: per
     local fragment, its start state's row among [the N initial states, the states the
@@ -261,13 +262,13 @@ class ChainTables:
     state's row among [every rank's gathered last-fragment final states (W *
     last_slots), the N initial states]."""
 
-    source_rows: torch.Tensor
-    source_cu_seqlens: torch.Tensor
-    source_span: tuple[int, int] | None
-    sink_rows: torch.Tensor
-    sink_cu_seqlens: torch.Tensor
-    sink_span: tuple[int, int] | None
-    sink_fragments: torch.Tensor
+    lead: SubBatch
+    relay: SubBatch
+    rest: SubBatch
+    sinks: SubBatch
+    lead_sources: torch.Tensor
+    relay_sources: torch.Tensor
+    lead_docs: torch.Tensor
     steps: tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], ...]
     local_starts: torch.Tensor
     local_sources: torch.Tensor
@@ -275,6 +276,28 @@ class ChainTables:
     first_docs: torch.Tensor
     last_slots: torch.Tensor
     final_rows: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class SubBatch:
+    """Some of a rank's fragments (ascending slots) as a packed batch of its rows:
+    ``rows`` (int64), ``cu_seqlens`` (int32), ``fragments`` (their local fragment indices,
+    int64), ``span``: (start, stop) where the rows are one range of the local rows (then
+    the sub-batch is a view: a rank's sources are its last fragments, its sinks its
+    first, unless a document starts and ends on it between them), else None; ``count``:
+    how many fragments, ``tokens``: how many rows."""
+
+    rows: torch.Tensor
+    cu_seqlens: torch.Tensor
+    fragments: torch.Tensor
+    span: tuple[int, int] | None
+    count: int
+    tokens: int
+
+    def take(self, *xs: torch.Tensor) -> list[torch.Tensor]:
+        """The sub-batch's rows of each of ``xs`` [local rows, ...]: a view where they are
+        one range, else a gather."""
+        return [x[self.span[0]:self.span[1]] if self.span is not None else x.index_select(0, self.rows) for x in xs]
 
 
 def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
@@ -311,15 +334,19 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
             rows_ += range(offsets[s], offsets[s + 1])
             cu.append(cu[-1] + frags[s].tokens)
         span = (rows_[0], rows_[-1] + 1) if rows_ and rows_ == list(range(rows_[0], rows_[-1] + 1)) else None
-        return as_index(rows_), as_index(cu, torch.int32), span
+        return SubBatch(as_index(rows_), as_index(cu, torch.int32), as_index(list(slots)), span, len(slots), len(rows_))
 
     my_sources, my_sinks = ctx.sources[ctx.rank], ctx.sinks[ctx.rank]
     firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]
+    first_slots = {s for s, _ in firsts}
+    leads = [s for s in my_sources if s in first_slots]
     final_rows = [last_index[f[-1]] if f else ctx.world * ctx.last_slots + d for d, f in enumerate(per_doc)]
-    source_rows, source_cu, source_span = sub_batch(my_sources)
-    sink_rows, sink_cu, sink_span = sub_batch(my_sinks)
     return ChainTables(
-        source_rows, source_cu, source_span, sink_rows, sink_cu, sink_span, sink_fragments=as_index(my_sinks),
+        lead=sub_batch(leads), relay=sub_batch([s for s in my_sources if s not in first_slots]),
+        rest=sub_batch([s for s in range(len(frags)) if s not in leads]), sinks=sub_batch(my_sinks),
+        lead_sources=as_index([j for j, s in enumerate(my_sources) if s in first_slots]),
+        relay_sources=as_index([j for j, s in enumerate(my_sources) if s not in first_slots]),
+        lead_docs=as_index([frags[s].doc for s in leads]),
         steps=tuple(steps),
         local_starts=as_index([start_row.get((ctx.rank, s), rows) for s in range(len(frags))]),
         local_sources=as_index([source_index.get((ctx.rank, s), -1) for s in range(len(frags))]),

@@ -5,13 +5,16 @@ The math (docs/kcp.md): a fragment's end state is affine in its start state,
 ``S_end = M S_start + E``, with ``E`` the end state walked from zero and ``M`` the
 transfer (the end state walked from the identity with v = 0: the state update is
 linear in S and acts on its K rows). Only a *source* fragment, one that another fragment
-of its document follows, needs them: each rank walks its sources twice for ``E`` and
-``M``, all ranks gather them (fp32, ``source_slots`` per rank: bytes independent of the
-sequence length; nothing travels where no document crosses a rank boundary), every rank
-chains each document's fragments in token order from its initial state (fp32, the same
-ops in the same order on every rank), and each rank walks all its fragments from their
-chained start states for the outputs and, for the documents that end on it, the final
-states, which a second all-gather gives every rank.
+of its document follows, needs them, and a *lead* source, one that starts its
+document, not even those: its start state is its document's initial state, known before
+any exchange, so it is walked with its outputs first and its walked end state is its
+summary (``E``, with ``M = 0``). Each rank walks its other (*relay*) sources twice, for
+``E`` and ``M``; all ranks gather the summaries (fp32, ``source_slots`` per rank: bytes
+independent of the sequence length; nothing travels where no document crosses a rank
+boundary); every rank chains each document's fragments in token order from its initial
+state (fp32, the same ops in the same order on every rank); and each rank walks the rest
+of its fragments from their chained start states for the outputs and, for the documents
+that end on it, the final states, which a second all-gather gives every rank.
 
 The backward (``_GdnKcp.backward``) runs in a fixed order on every rank, so that the
 ranks meet in the same collectives whatever their fragments: the final states'
@@ -21,11 +24,11 @@ follows another of its document) start-state gradient ``F`` from its own outputs
 gradient (``cake::gdn_bwd_initial_state``: the reverse walk alone), all-gathered; the
 chain's adjoint in fp32, the same on every rank, giving every source's end-state
 gradient (its next fragment's ``F`` plus, where that is a source too, ``Mᵀ`` of its own
-end's gradient); and one ``cake::gdn_bwd`` over all the rank's fragments from their
-chained start states with those end gradients. A source's summaries need no backward
-of their own: the gradient of ``<dS_end, M S_start + E>`` is that of its walk's end
-state, which that one backward takes. Each fragment runs one backward; a sink also the
-reverse walk for ``F``.
+end's gradient); and one ``cake::gdn_bwd`` per forward walk (the lead sources', the
+rest's) from the chained start states with those end gradients. A source's summaries
+need no backward of their own: the gradient of ``<dS_end, M S_start + E>`` is that of
+its walk's end state, which that backward takes. Each fragment runs one backward; a
+sink also the reverse walk for ``F``.
 
 The initial and final states are replicated: every rank passes the same
 ``initial_state`` and receives the same final states; their gradients are partial, each
@@ -45,12 +48,6 @@ from .context import KcpContext
 
 def _padded(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])]) if x.shape[0] < rows else x
-
-
-def _sub_batch(xs, rows, span):
-    """The rows of each of ``xs`` a source or sink sub-batch takes: a view where they are
-    one range, else a gather."""
-    return [x[span[0]:span[1]] if span is not None else x.index_select(0, rows) for x in xs]
 
 
 def _chain(E, M, S0, tables):
@@ -130,6 +127,31 @@ def _ring_chain_adjoint(F, M, steps, kcp, fragments: int):
     return dend
 
 
+def _walk(xs, cu_seqlens, starts, walk, full):
+    """One ``cake::gdn_fwd`` (or, saving the tapes, ``gdn_fwd_full``) of a sub-batch:
+    (o, final states, tapes or None)."""
+    if full:
+        return torch.ops.cake.gdn_fwd_full(*xs, cu_seqlens, starts, *walk)
+    (o, final), tapes = torch.ops.cake.gdn_fwd(*xs, cu_seqlens, starts, *walk), None
+    return o, final, tapes
+
+
+def _join(x_lead, x_rest, tables, dim_rows):
+    """A tensor over all local rows (or fragments) from its lead and rest sub-batches'
+    parts: the part itself where the other group is empty, a concatenation where the rest
+    are the first rows and the leads the last (layout C), else placed by index."""
+    if x_lead is None:
+        return x_rest
+    if x_rest is None:
+        return x_lead
+    lead, rest = tables.lead, tables.rest
+    if dim_rows and rest.span is not None and lead.span is not None and rest.span[0] == 0 and rest.span[1] == lead.span[0]:
+        return torch.cat([x_rest, x_lead])
+    index = (lead.rows, rest.rows) if dim_rows else (lead.fragments, rest.fragments)
+    out = x_rest.new_empty(x_lead.shape[0] + x_rest.shape[0], *x_rest.shape[1:])
+    return out.index_copy(0, index[0], x_lead).index_copy(0, index[1], x_rest)
+
+
 class _GdnKcp(torch.autograd.Function):
     @staticmethod
     def forward(fctx, q, k, v, g, beta, initial_state, kcp, scale, use_qk_l2norm, deterministic, full,
@@ -145,16 +167,32 @@ class _GdnKcp(torch.autograd.Function):
             return _GdnKcp._unchained(fctx, q, k, v, g, beta, kcp, tables, walk, full, output_final_state)
         S0 = (initial_state.float() if initial_state is not None
               else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
-        sources = tables.source_cu_seqlens.shape[0] - 1
+        lead, relay, rest = tables.lead, tables.relay, tables.rest
+        xs = (q, k, v, g, beta)
+        # The lead sources start from their documents' initial states: walked with their
+        # outputs before any exchange, their end states are their summaries (E, with M = 0).
+        lead_out = None
+        if lead.count:
+            lead_out = _walk(lead.take(*xs), lead.cu_seqlens,
+                             S0.index_select(0, tables.lead_docs) if initial_state is not None else None, walk, full)
+        parts = []
+        if relay.count:  # E from zero, M from the identity with v = 0
+            sub = relay.take(*xs)
+            eye = torch.eye(K, device=q.device).expand(relay.count, HV, K, K).contiguous()
+            E = torch.ops.cake.gdn_fwd_final_state(*sub, relay.cu_seqlens, None, *walk)
+            M = torch.ops.cake.gdn_fwd_final_state(sub[0], sub[1], sub[2].new_zeros(relay.tokens, HV, K),
+                                                   sub[3], sub[4], relay.cu_seqlens, eye, *walk)
+            parts.append((tables.relay_sources, torch.cat([E, M], dim=-1)))
+        if lead.count:
+            end = lead_out[1]
+            parts.append((tables.lead_sources, torch.cat([end, end.new_zeros(lead.count, HV, K, K)], dim=-1)))
         summaries = q.new_zeros(0, HV, K, V + K, dtype=torch.float32)
-        if sources:  # E from zero, M from the identity with v = 0, over the source fragments only
-            sub = _sub_batch((q, k, v, g, beta), tables.source_rows, tables.source_span)
-            cu = tables.source_cu_seqlens
-            eye = torch.eye(K, device=q.device).expand(sources, HV, K, K).contiguous()
-            E = torch.ops.cake.gdn_fwd_final_state(*sub, cu, None, *walk)
-            M = torch.ops.cake.gdn_fwd_final_state(sub[0], sub[1], sub[2].new_zeros(sub[2].shape[0], HV, K),
-                                                   sub[3], sub[4], cu, eye, *walk)
-            summaries = torch.cat([E, M], dim=-1)
+        if len(parts) == 1:
+            summaries = parts[0][1]
+        elif parts:
+            summaries = q.new_empty(lead.count + relay.count, HV, K, V + K, dtype=torch.float32)
+            for at, x in parts:
+                summaries = summaries.index_copy(0, at, x)
         if ring:
             starts = _ring_chain(summaries[..., :V], summaries[..., V:], S0, tables, kcp.ring_tables(q.device), kcp)
             transfers = summaries[..., V:].contiguous()  # this rank's own: the ring's backward reads no other
@@ -166,13 +204,18 @@ class _GdnKcp(torch.autograd.Function):
             # The backward's chain adjoint reads the transfers only (a copy: not the gathered
             # E beside them); without save_transfer only this rank's, gathered again there.
             transfers = (M_all if save_transfer else _padded(summaries[..., V:], kcp.source_slots)).contiguous()
-        if full:
-            o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk)
-        else:
-            (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, starts, *walk), None
-        # The source sub-batch is formed again in the backward, not kept.
-        fctx.save_for_backward(q, k, v, g, beta, starts, transfers, S0, tapes)
-        return o, _GdnKcp._final_states(final, S0, kcp, tables) if output_final_state else None
+        rest_out = None
+        if rest.count:  # every other fragment from its chained start state
+            rest_starts = starts if not lead.count else starts.index_select(0, rest.fragments)
+            rest_out = _walk(rest.take(*xs), rest.cu_seqlens, rest_starts, walk, full)
+        o = _join(lead_out and lead_out[0], rest_out and rest_out[0], tables, True)
+        # The sub-batches are formed again in the backward, not kept.
+        fctx.save_for_backward(q, k, v, g, beta, starts, transfers, S0, lead_out and lead_out[2],
+                               rest_out and rest_out[2])
+        if not output_final_state:
+            return o, None
+        final = _join(lead_out and lead_out[1], rest_out and rest_out[1], tables, False)
+        return o, _GdnKcp._final_states(final, S0, kcp, tables)
 
     @staticmethod
     def _final_states(final, S0, kcp, tables):
@@ -185,11 +228,8 @@ class _GdnKcp(torch.autograd.Function):
     def _unchained(fctx, q, k, v, g, beta, kcp, tables, walk, full, output_final_state):
         """The forward where no fragment needs a start state: no chain, no initial states
         passed or saved, and in the backward no end gradients but the final states'."""
-        if full:
-            o, final, tapes = torch.ops.cake.gdn_fwd_full(q, k, v, g, beta, kcp.cu_seqlens, None, *walk)
-        else:
-            (o, final), tapes = torch.ops.cake.gdn_fwd(q, k, v, g, beta, kcp.cu_seqlens, None, *walk), None
-        fctx.save_for_backward(q, k, v, g, beta, None, None, None, tapes)
+        o, final, tapes = _walk((q, k, v, g, beta), kcp.cu_seqlens, None, walk, full)
+        fctx.save_for_backward(q, k, v, g, beta, None, None, None, None, tapes)
         if not output_final_state:
             return o, None
         zeros = final.new_zeros(kcp.documents, *final.shape[1:])
@@ -198,7 +238,7 @@ class _GdnKcp(torch.autograd.Function):
     @staticmethod
     def backward(fctx, do, dfinal):
         kcp, walk = fctx.kcp, fctx.walk
-        q, k, v, g, beta, starts, transfers, S0, tapes = fctx.saved_tensors
+        q, k, v, g, beta, starts, transfers, S0, lead_tapes, rest_tapes = fctx.saved_tensors
         tables = kcp.chain_tables(q.device)
         do = torch.zeros_like(v) if do is None else do
         state = (kcp.documents, v.shape[1], q.shape[-1], v.shape[-1])
@@ -220,14 +260,14 @@ class _GdnKcp(torch.autograd.Function):
             # The sinks' start-state gradients from their own outputs and end gradients, to
             # every rank. A sink that is a source too (a document's middle) walks back from
             # zero here: the gradient at its end enters through the chain, as Mᵀ dS_end.
+            sinks = tables.sinks
             F = q.new_zeros(0, *starts.shape[1:], dtype=torch.float32)
-            if tables.sink_fragments.numel():
+            if sinks.count:
                 F = torch.ops.cake.gdn_bwd_initial_state(
-                    *_sub_batch((do,), tables.sink_rows, tables.sink_span),
-                    dht.index_select(0, tables.sink_fragments).contiguous(),
-                    *_sub_batch((q, k, g, beta), tables.sink_rows, tables.sink_span), tables.sink_cu_seqlens, *walk)
+                    *sinks.take(do), dht.index_select(0, sinks.fragments).contiguous(),
+                    *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk)
             if fctx.ring:
-                F_local = torch.zeros_like(starts).index_copy(0, tables.sink_fragments, F)
+                F_local = torch.zeros_like(starts).index_copy(0, sinks.fragments, F)
                 picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
             else:
                 M_all = transfers if fctx.save_transfer else collectives.gather(transfers, kcp)
@@ -236,11 +276,19 @@ class _GdnKcp(torch.autograd.Function):
                 picked = dend.index_select(0, tables.local_sources.clamp(min=0))
             is_source = tables.local_sources >= 0
             dht = torch.where(is_source[:, None, None, None], picked, dht)
-        # One backward over every fragment, from its chained start state with its end
-        # gradient: a source's summaries' gradients come with it (the gradient of
-        # <dS_end, M S_start + E> is that of its walk's end state).
-        dq, dk, dv, dg, dbeta, dstarts = torch.ops.cake.gdn_bwd(do, dht, q, k, v, g, beta, kcp.cu_seqlens, starts,
-                                                                *walk, tapes)
+        # One backward per forward walk (the lead sources', the rest's), each fragment from
+        # its chained start state with its end gradient: a source's summaries' gradients
+        # come with it (the gradient of <dS_end, M S_start + E> is that of its walk's end
+        # state).
+        grads = []
+        for part, tapes in ((tables.lead, lead_tapes), (tables.rest, rest_tapes)):
+            whole = part.count == len(kcp.fragments[kcp.rank])
+            pick = lambda x: x if x is None or whole else x.index_select(0, part.fragments)  # noqa: E731
+            grads.append(torch.ops.cake.gdn_bwd(*part.take(do), pick(dht), *part.take(q, k, v, g, beta),
+                                                part.cu_seqlens, pick(starts), *walk, tapes) if part.count else None)
+        lead_g, rest_g = grads
+        dq, dk, dv, dg, dbeta = (_join(lead_g and lead_g[i], rest_g and rest_g[i], tables, True) for i in range(5))
+        dstarts = _join(lead_g and lead_g[5], rest_g and rest_g[5], tables, False)
         dh0 = None
         if fctx.has_initial:
             dh0 = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
@@ -344,9 +392,20 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
     transfers = ctx.world * ctx.source_slots if exchange == "a2a" and save_transfer else (
         ctx.source_slots if exchange == "a2a" else len(ctx.sources[ctx.rank]))
     saved += transfers * HV * K * K * 4
-    if save_mode == "full" and cuda_kernels:
-        saved += gdn_tapes_bytes(T, F, H, HV, use_qk_l2norm)
+    if save_mode == "full" and cuda_kernels:  # one tapes block per forward walk: the lead sources', the rest's
+        for part in _walks(ctx):
+            saved += gdn_tapes_bytes(sum(f.tokens for f in part), len(part), H, HV, use_qk_l2norm)
     return saved
+
+
+def _walks(ctx: KcpContext) -> list[list]:
+    """The fragments of this rank's forward walks with outputs (``_GdnKcp.forward``): its
+    lead sources (none where no document crosses a rank boundary), then the rest; empty
+    ones left out."""
+    frags, firsts = ctx.fragments[ctx.rank], {f[0] for f in ctx.doc_fragments if f}
+    leads = {s for s in ctx.sources[ctx.rank] if (ctx.rank, s) in firsts}
+    parts = [[frags[s] for s in sorted(leads)], [f for s, f in enumerate(frags) if s not in leads]]
+    return [p for p in parts if p]
 
 
 def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool = False, deterministic: bool = True,
@@ -354,27 +413,24 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     """The largest workspace one ``cake::`` op of a ``gdn_kcp`` call allocates on this
     rank, in its forward or its backward (``direction``), on the CUDA kernels (K = V =
     128; ``cake_ops.gdn_workspace_bytes`` of each op's batch, which tests hold to the
-    allocator): the forward takes the source fragments' final states for ``E`` and ``M``
-    and then walks all fragments (in the save mode's form); the backward walks the sink fragments back for
-    their start states' gradients and then runs the backward of all fragments. The ops
+    allocator): the forward walks the lead sources, takes the relay sources' final states
+    for ``E`` and ``M`` and then walks the rest of the fragments (the walks in the save
+    mode's form); the backward walks the sink fragments back for their start states'
+    gradients and then runs the backward of each walk's fragments. The ops
     run one after another, so this is the most workspace the call holds at once beside
     its tensors. Needs the CUDA extension."""
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    frags = ctx.fragments[ctx.rank]
-    sources, sinks = [frags[s] for s in ctx.sources[ctx.rank]], [frags[s] for s in ctx.sinks[ctx.rank]]
+    frags, firsts = ctx.fragments[ctx.rank], {f[0] for f in ctx.doc_fragments if f}
+    relays = [frags[s] for s in ctx.sources[ctx.rank] if (ctx.rank, s) not in firsts]
+    sinks = [frags[s] for s in ctx.sinks[ctx.rank]]
     opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic)
-    if direction == "forward":
-        calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, **opts)]
-        if sources:
-            calls.append(gdn_workspace_bytes(sum(f.tokens for f in sources), len(sources), H, HV,
-                                             direction="final_state", **opts))
-    else:
-        calls = [gdn_workspace_bytes(ctx.local_tokens, len(frags), H, HV, save_mode=save_mode, direction="backward",
-                                     **opts)]
-        if sinks:
-            calls.append(gdn_workspace_bytes(sum(f.tokens for f in sinks), len(sinks), H, HV,
-                                             direction="initial_state", **opts))
-    return max(calls)
+    walks = [(part, "forward" if direction == "forward" else "backward") for part in _walks(ctx)]
+    if direction == "forward" and relays:
+        walks.append((relays, "final_state"))
+    if direction == "backward" and sinks:
+        walks.append((sinks, "initial_state"))
+    return max(gdn_workspace_bytes(sum(f.tokens for f in part), len(part), H, HV, save_mode=save_mode,
+                                   direction=d, **opts) for part, d in walks)

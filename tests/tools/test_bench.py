@@ -340,12 +340,13 @@ def test_cp_emulate_on_cpu(tmp_path):
     FP64, the per-rank times and the bytes per collective in strict JSON."""
     path = tmp_path / "json"
     report = main(["--quick", "--device", "cpu", "--shapes", "q_packed", "--calls", "1", "--warmup", "0", "--cp", "2",
-                   "--emulate", "--layout", "Z", "--json", str(path)])
+                   "--emulate", "--layout", "Z", "--kernels", "--json", str(path)])
     data = json.loads(path.read_text())
     assert data["accuracy"]["ok"] and all(0 <= x <= 1e-2 for x in data["accuracy"]["rel_rms"].values())
     (row,) = data["results"]
     assert row["shape"] == "q_packed" and row["single_ms"] > 0 and row["kcp_all_ranks_ms"] > 0
     assert row["per_rank_ms"] == pytest.approx(row["kcp_all_ranks_ms"] / 2)
+    assert set(row["kernels"]) == {"single", "kcp"}  # per-kernel splits: empty without the profiler
     assert row["comm_bytes_per_rank"]["gdn summaries, forward all-gather"] > 0  # documents cross the boundary
     assert report["meta"]["cp"] == 2 and report["meta"]["layout"] == "Z"
     with pytest.raises(SystemExit):
