@@ -3,8 +3,10 @@
 The command line: parses the flags, then in one process on one device measures the
 bf16 matmul rate (the floor), loads the arms, checks every arm and op against the FP64
 reference, times every (shape, op) cell and prints the table (``--kernels``: and the
-per-kernel split), and writes the JSON (``--json``). ``--cp N --emulate``: context
-parallel's per-rank time instead (``cake_ops.bench.kcp``).
+per-kernel split), and writes the JSON (``--json``). ``--cp N``: context parallel
+instead, one process a device, the slowest rank against the single device
+(``cake_ops.bench.kcp_devices``); ``--cp N --emulate``: its ranks as threads on this one
+device, their per-rank compute (``cake_ops.bench.kcp``).
 
 Interrupted (SIGTERM, e.g. from ``timeout``, or Ctrl-C) while timing: the cells timed
 so far are still summarised, printed and written; a timing not finished for a cell is
@@ -108,8 +110,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kernels", action="store_true", help="also print each row's per-kernel times (always in the JSON)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few calls: a smoke test that also runs on a CPU")
     p.add_argument("--cp", type=int, default=None, metavar="N",
-                   help="context parallel over N ranks (cake_ops.kcp): per-rank time and bytes; needs --emulate")
-    p.add_argument("--emulate", action="store_true", help="with --cp: the ranks as threads on this one device")
+                   help="context parallel over N ranks (cake_ops.kcp), one process a device (NCCL; gloo with "
+                        "--device cpu; spawned, or torchrun's): the slowest rank against the single device")
+    p.add_argument("--emulate", action="store_true", help="with --cp: the ranks as threads on this one device "
+                   "(per-rank compute and bytes)")
     p.add_argument("--layout", default="C", choices=("C", "Z", "D"), help="with --cp: the KCP layout")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
@@ -133,15 +137,26 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--groups must be >= 3 (docs/benchmark.md, Protocol)")
     if args.calls < 1 or args.warmup < 0:
         p.error("--calls must be >= 1 and --warmup >= 0")
-    if args.cp is not None and (args.cp < 1 or not args.emulate):
-        p.error("--cp N needs N >= 1 and --emulate (ranks as threads on this device; runs over several "
-                "devices are not built yet)")
+    if args.cp is not None and args.cp < 1:
+        p.error("--cp N needs N >= 1")
+    if args.emulate and args.cp is None:
+        p.error("--emulate goes with --cp N")
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     """Parse argv (default sys.argv[1:]), run, print the table(s), write the JSON; the report."""
     args = parse_args(argv)
+    if args.cp is not None and not args.emulate:
+        from .kcp_devices import format_kcp_devices_table, run_kcp_devices
+
+        report = run_kcp_devices(args)
+        if report is not None:  # the process of rank 0
+            print(format_kcp_devices_table(report), flush=True)
+            if args.json:
+                write_json(report, args.json)
+                print(f"wrote {args.json}", flush=True)
+        return report
     if args.cp is not None:
         from .kcp import format_kcp_kernels, format_kcp_table, run_kcp
 

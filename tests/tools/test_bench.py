@@ -350,4 +350,24 @@ def test_cp_emulate_on_cpu(tmp_path):
     assert row["comm_bytes_per_rank"]["gdn summaries, forward all-gather"] > 0  # documents cross the boundary
     assert report["meta"]["cp"] == 2 and report["meta"]["layout"] == "Z"
     with pytest.raises(SystemExit):
-        main(["--quick", "--cp", "2"])  # without --emulate: not built
+        main(["--quick", "--emulate"])  # --emulate without --cp
+
+
+def test_cp_devices_on_cpu(tmp_path):
+    """``--cp N`` without ``--emulate`` on the CPU: N spawned gloo processes, gdn_kcp
+    checked against FP64, every op timed on every rank; the slowest rank against the
+    single device in strict JSON."""
+    path = tmp_path / "json"
+    report = main(["--quick", "--device", "cpu", "--shapes", "q_packed", "--calls", "1", "--warmup", "0", "--cp", "2",
+                   "--layout", "D", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["accuracy"]["ok"] and all(0 <= x <= 1e-2 for x in data["accuracy"]["rel_rms"].values())
+    assert data["meta"]["cp"] == 2 and data["meta"]["backend"] == "gloo" and not data["meta"]["emulate"]
+    assert [r["op"] for r in data["results"]] == ["fwd", "fwdbwd", "ckpt"]
+    for row in data["results"]:
+        assert len(row["ranks"]) == 2 and all(r["stream_ms"] > 0 for r in row["ranks"])
+        assert row["slowest"]["stream_ms"] == max(r["stream_ms"] for r in row["ranks"])
+        assert row["slowest_over_single"]["stream_ms"] == pytest.approx(row["slowest"]["stream_ms"]
+                                                                        / row["single"]["stream_ms"])
+        assert row["comm_bytes_per_rank"]["gdn summaries, forward all-gather"] > 0
+    assert report["results"][0]["shape"] == "q_packed"

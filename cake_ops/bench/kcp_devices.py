@@ -1,0 +1,250 @@
+"""``python -m cake_ops.bench --cp N`` (without ``--emulate``): KCP with one process a device.
+
+N ranks, each its own process on its own device: ``cuda:rank`` with NCCL, or the CPU
+with gloo (``--device cpu``; the CI's test of this path). Under ``torchrun`` the ranks
+are torchrun's (``RANK``, ``WORLD_SIZE`` and its rendezvous in the environment); otherwise
+the command spawns them itself, with a FileStore rendezvous. Every rank makes the same
+global inputs (same seed), its plan and its shard of them before timing.
+
+First ``gdn_kcp`` on ``ACCURACY_SHAPE`` is checked against the FP64 reference (the outputs
+and gradients gathered to rank 0). Then per shape and op (``fwd``, ``fwdbwd``, ``ckpt``:
+the benchmark's ops, ``cake_ops.bench.arms``) every rank times its KCP step, the ranks
+stepping together as training would: ``stream_ms`` (CUDA events over calls issued back
+to back; the collectives keep the ranks in step, so it is the step's time on that rank),
+``kernel_ms`` (profiler: device busy time, NCCL's kernels included, which wait for the
+slowest rank) and ``compute_ms`` (the same without NCCL's kernels: the rank's own work),
+and its peak memory. Then rank 0 alone times the single-device ``cake_ops.gdn`` of the
+whole global batch, the others waiting. The table gives each cell's slowest rank and
+its ratio to the single device (issue 21's targets: at most 0.6 at CP 2, 0.2 at CP 8),
+and the bytes each rank puts into each collective.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from .accuracy import GRAD_NAMES, reference_outputs
+from .report import make_meta
+from .shapes import ACCURACY_SHAPE, KCP_SHAPES, QUICK_SHAPES, SHAPES, make_inputs
+from .timing import Timer
+
+NAMES = ("q", "k", "v", "g", "beta")
+NCCL_KERNEL = "nccl"  # NCCL's kernels' names start with ncclDevKernel / ncclKernel
+
+
+def _steps(inp, ctx, ops, device) -> dict:
+    """Per op, a callable running this rank's KCP step of ``inp`` (the global inputs)."""
+    from torch.utils.checkpoint import checkpoint
+
+    from cake_ops.kcp import gdn_kcp
+
+    leaves = [ctx.shard(getattr(inp, n)).detach().requires_grad_(True) for n in NAMES]
+    do = ctx.shard(inp.do)
+
+    def call(*xs):
+        return gdn_kcp(*xs, ctx, use_qk_l2norm=True)[0]
+
+    def fwd():
+        with torch.no_grad():
+            call(*leaves)
+
+    def fwdbwd():
+        torch.autograd.grad(call(*leaves), leaves, do)
+
+    def ckpt():
+        torch.autograd.grad(checkpoint(call, *leaves, use_reentrant=False), leaves, do)
+
+    return {op: {"fwd": fwd, "fwdbwd": fwdbwd, "ckpt": ckpt}[op] for op in ops}
+
+
+def _single_steps(inp, ops) -> dict:
+    from torch.utils.checkpoint import checkpoint
+
+    import cake_ops
+
+    leaves = [getattr(inp, n).detach().requires_grad_(True) for n in NAMES]
+
+    def call(*xs):
+        return cake_ops.gdn(*xs, inp.cu_seqlens, use_qk_l2norm=True)[0]
+
+    def fwd():
+        with torch.no_grad():
+            call(*leaves)
+
+    def fwdbwd():
+        torch.autograd.grad(call(*leaves), leaves, inp.do)
+
+    def ckpt():
+        torch.autograd.grad(checkpoint(call, *leaves, use_reentrant=False), leaves, inp.do)
+
+    return {op: {"fwd": fwd, "fwdbwd": fwdbwd, "ckpt": ckpt}[op] for op in ops}
+
+
+def _time(step, timer: Timer, args) -> dict:
+    """stream_ms, kernel_ms and compute_ms (medians over ``args.calls``) and peak bytes of
+    ``step`` on this rank; every rank calls it at the same point (the step's collectives)."""
+    for _ in range(args.warmup):
+        step()
+    timer.sync()
+    peak = timer.peak_memory(step)
+    stream = statistics.median(timer.stream_ms(step, args.calls))
+    kernel, compute = [], []
+    for _ in range(args.calls):
+        kernel.append(timer.kernel_ms(step, 1)[0])
+        compute.append(sum(ms for name, ms in timer.last_kernels.items() if NCCL_KERNEL not in name.lower())
+                       if timer.cuda else kernel[-1])
+    return {"stream_ms": stream, "kernel_ms": statistics.median(kernel), "compute_ms": statistics.median(compute),
+            "peak_mem_bytes": peak}
+
+
+TIMINGS = ("stream_ms", "kernel_ms", "compute_ms", "peak_mem_bytes")
+
+
+def _gather_timings(mine: dict, world: int, device) -> list[dict]:
+    """Every rank's ``_time`` dict, on every rank (an all-gather of a float64 tensor: the
+    object collectives need NumPy, which a CPU install may lack)."""
+    x = torch.tensor([math.nan if mine[t] is None else float(mine[t]) for t in TIMINGS], dtype=torch.float64,
+                     device=device)
+    out = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(out, x)
+    return [{t: (None if math.isnan(v) else (int(v) if t == "peak_mem_bytes" else v))
+             for t, v in zip(TIMINGS, y.tolist())} for y in out]
+
+
+def _check_accuracy(args, device, ctx_of) -> dict | None:
+    """gdn_kcp on ACCURACY_SHAPE against the FP64 reference (rank 0's dict; None elsewhere)."""
+    from cake_ops.kcp import gdn_kcp
+    from cake_ops.testing import REL_RMS_TOL, accuracy
+
+    inp = make_inputs(ACCURACY_SHAPE, device, args.gate, args.seed + 1)
+    ctx = ctx_of(inp)
+    leaves = [ctx.shard(getattr(inp, n)).detach().requires_grad_(True) for n in NAMES]
+    o, _ = gdn_kcp(*leaves, ctx, use_qk_l2norm=True)
+    grads = torch.autograd.grad(o, leaves, ctx.shard(inp.do))
+    got = [ctx.gather(o.detach())] + [ctx.gather(g) for g in grads]  # collectives: every rank
+    if dist.get_rank() != 0:
+        return None
+    ref_o, ref_grads = reference_outputs(inp)
+    rel = {n: accuracy(x, ref).rel_rms for n, x, ref in zip(("o", *GRAD_NAMES), got, (ref_o, *ref_grads))}
+    return {"ok": all(math.isfinite(v) and v <= REL_RMS_TOL for v in rel.values()), "rel_rms": rel}
+
+
+def _rank_main(args, out_path: str | None) -> dict | None:
+    """One rank's whole run, its process group already up; rank 0 returns the report."""
+    from cake_ops.kcp import build_context_kcp, kcp_comm_bytes
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    device = torch.device("cuda", rank) if args.device.startswith("cuda") else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    report: dict[str, Any] = {"meta": make_meta(args, device), "accuracy": None, "results": []}
+    report["meta"].update(cp=world, layout=args.layout, emulate=False, backend=dist.get_backend())
+
+    def ctx_of(inp):
+        return build_context_kcp(inp.cu_seqlens.tolist(), layout=args.layout, device=device)
+
+    acc = _check_accuracy(args, device, ctx_of)
+    ok = torch.tensor([float(acc["ok"]) if acc is not None else 0.0], device=device)
+    dist.broadcast(ok, src=0)
+    report["accuracy"] = acc
+    if rank == 0:
+        worst = max(acc["rel_rms"].values())
+        print(f"accuracy gdn_kcp CP{world} layout {args.layout} worst rel-RMS {worst:.2e}: "
+              f"{'ok' if acc['ok'] else 'FAIL, not timed'}", flush=True)
+    if ok.item():
+        timer = Timer(device)
+        for name in args.shapes:
+            shape = {**SHAPES, **QUICK_SHAPES, **KCP_SHAPES}[name]
+            inp = make_inputs(shape, device, args.gate, args.seed)  # the same on every rank
+            ctx = ctx_of(inp)
+            comm = kcp_comm_bytes(ctx, inp.v.shape[1], inp.q.shape[-1], inp.v.shape[-1])
+            for op, step in _steps(inp, ctx, args.ops, device).items():
+                every = _gather_timings(_time(step, timer, args), world, device)
+                single = _time(_single_steps(inp, [op])[op], timer, args) if rank == 0 else None
+                dist.barrier()
+                if rank == 0:
+                    slowest = {t: max(r[t] for r in every) for t in ("stream_ms", "kernel_ms", "compute_ms")}
+                    report["results"].append({
+                        "shape": name, "op": op, "single": single, "ranks": every, "slowest": slowest,
+                        "slowest_over_single": {t: slowest[t] / single[t] if single[t] else math.nan
+                                                for t in ("stream_ms", "kernel_ms")},
+                        "comm_bytes_per_rank": comm})
+                    print(f"timed {name} {op}", flush=True)
+            del inp, ctx
+    if rank == 0 and out_path is not None:
+        with open(out_path, "w") as f:
+            json.dump(report, f)
+    return report if rank == 0 else None
+
+
+def _spawned(rank: int, world: int, args, store_path: str, out_path: str) -> None:
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    try:
+        _rank_main(args, out_path)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_kcp_devices(args, timeout: float = 3600.0) -> dict | None:
+    """The whole run; the report on the process holding rank 0 (None on torchrun's others)."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        world = int(os.environ["WORLD_SIZE"])
+        if world != args.cp:
+            raise SystemExit(f"--cp {args.cp} under torchrun with WORLD_SIZE={world}: they must agree")
+        backend = "nccl" if args.device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        dist.init_process_group(backend)
+        try:
+            return _rank_main(args, None)
+        finally:
+            dist.destroy_process_group()
+    if args.device.startswith("cuda") and torch.cuda.device_count() < args.cp:
+        raise SystemExit(f"--cp {args.cp} needs {args.cp} CUDA devices, this machine has "
+                         f"{torch.cuda.device_count()}; --emulate runs the ranks as threads on one")
+    with tempfile.TemporaryDirectory() as tmp:
+        out_path = os.path.join(tmp, "report.json")
+        procs = mp.start_processes(_spawned, args=(args.cp, args, os.path.join(tmp, "store"), out_path),
+                                   nprocs=args.cp, join=False, start_method="spawn")
+        deadline = time.monotonic() + timeout
+        while not procs.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                for p in procs.processes:
+                    p.kill()
+                raise TimeoutError(f"{args.cp} ranks did not finish within {timeout} s")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def format_kcp_devices_table(report: dict) -> str:
+    meta = report["meta"]
+    lines = [f"KCP CP{meta['cp']} layout {meta['layout']}, one process a device ({meta['backend']}; "
+             f"{meta['timing']} timing): slowest rank against the single device of the whole batch",
+             f"{'shape':16s} {'op':7s} {'single_ms':>10s} {'slowest_ms':>11s} {'x single':>9s} "
+             f"{'kernel':>8s} {'compute':>8s} {'peak_MiB':>9s}  bytes per rank per collective"]
+    for r in report["results"]:
+        comm = ", ".join(f"{k}: {v / 2**20:.2f} MiB" for k, v in r["comm_bytes_per_rank"].items()) or "none"
+        peaks = [x["peak_mem_bytes"] for x in r["ranks"] if x["peak_mem_bytes"] is not None]
+        peak = f"{max(peaks) / 2**20:9.1f}" if peaks else f"{'-':>9s}"
+        lines.append(f"{r['shape']:16s} {r['op']:7s} {r['single']['stream_ms']:10.3f} {r['slowest']['stream_ms']:11.3f} "
+                     f"{r['slowest_over_single']['stream_ms']:9.2f} {r['slowest']['kernel_ms']:8.3f} "
+                     f"{r['slowest']['compute_ms']:8.3f} {peak}  {comm}")
+    lines.append("single_ms, slowest_ms: stream_ms (CUDA events, calls back to back); kernel: the slowest rank's "
+                 "kernel_ms (NCCL's kernels included), compute: without them; peak_MiB: the largest rank's")
+    return "\n".join(lines)
