@@ -72,7 +72,8 @@ QUICK_SHAPES = {
     )
 }
 # Context parallel's target shape (issue 20), for --cp only: two documents of 128k tokens.
-KCP_SHAPES = {s.name: s for s in (Shape("s256k_2docs_h16", (131072, 131072), 16, 48),)}
+KCP_SHAPES = {s.name: s for s in (Shape("s256k_2docs_h16", (131072, 131072), 16, 48),
+                                   Shape("s256k_1doc_h16", (262144,), 16, 48))}
 ACCURACY_SHAPE = Shape("accuracy", (100, 64, 37), 2, 6)
 
 
