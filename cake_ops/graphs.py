@@ -31,7 +31,9 @@ MAX_KEYS = 8
 _graphs: OrderedDict[tuple, _Replay] = OrderedDict()
 
 
-def _key(op: str, args: Sequence) -> tuple:
+def key(op, args: Sequence) -> tuple:
+    """The key of a call: ``op`` (any hashable) and each argument's shape, strides, dtype
+    and device, or its value."""
     parts: list = [op]
     for a in args:
         if isinstance(a, torch.Tensor):
@@ -65,22 +67,22 @@ class _Replay:
         return tuple(o.clone() for o in self.outputs)
 
 
-def replay(op: str, launch: Callable, args: Sequence):
+def replay(op, launch: Callable, args: Sequence):
     """``launch(*args)`` as a graph replay of its key (module docstring); the first call
     of a key runs eagerly and captures. Returns what ``launch`` returns."""
     if torch.cuda.is_current_stream_capturing():
         return launch(*args)
     device = next(a.device for a in args if isinstance(a, torch.Tensor))
     with torch.cuda.device(device):
-        key = _key(op, args)
-        graph = _graphs.get(key)
+        k = key(op, args)
+        graph = _graphs.get(k)
         if graph is None:
             out = launch(*args)
             while len(_graphs) >= MAX_KEYS:
                 _graphs.popitem(last=False)
-            _graphs[key] = _Replay(launch, args)
+            _graphs[k] = _Replay(launch, args)
             return out
-        _graphs.move_to_end(key)
+        _graphs.move_to_end(k)
         out = graph(args)
     return out if len(out) > 1 else out[0]
 

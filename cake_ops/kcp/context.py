@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -27,6 +28,7 @@ import torch.distributed as dist
 from . import collectives
 
 LAYOUTS = ("C", "Z", "D")
+_serials = itertools.count()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,8 @@ class KcpContext:
     """The plan all ranks agree on (``build_context_kcp``). ``fragments[r]``: rank r's
     fragments in token order; ``slots``: the most fragments a rank holds (the exchanged
     summaries are padded to it); ``cu_seqlens``: this rank's local ``cu_seqlens`` (int32,
-    on ``device``)."""
+    on ``device``); ``graph_replay``: ``gdn_kcp`` calls on CUDA tensors replay their
+    forward's and their backward's launches from CUDA graphs (``build_context_kcp``)."""
 
     group_name: str
     world: int
@@ -91,6 +94,8 @@ class KcpContext:
     fragments: tuple[tuple[Fragment, ...], ...]
     slots: int
     cu_seqlens: torch.Tensor
+    graph_replay: bool = False
+    serial: int = dataclasses.field(default_factory=lambda: next(_serials))  # this context's, in graph replay keys
     _tables: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -451,6 +456,7 @@ def build_context_kcp(
     layout: str = "C",
     conv_width: int = 4,
     device: torch.device | str | None = None,
+    graph_replay: bool = False,
 ) -> KcpContext:
     """Plans a packed global batch over the ranks of ``group`` (default: the world).
 
@@ -459,9 +465,17 @@ def build_context_kcp(
     path). ``layout``: "C", "Z" or "D" (module docstring). ``conv_width``: the short
     convolution's W that ``short_conv_kcp`` takes with this context. ``device``: where
     the local ``cu_seqlens`` goes (default: the current CUDA device if the group's
-    backend is NCCL, else the CPU). Every rank must call it with the same arguments."""
+    backend is NCCL, else the CPU). ``graph_replay``: every ``gdn_kcp`` call with this
+    context on CUDA tensors runs its forward, and its backward, as a CUDA graph replay per
+    shape key (``cake_ops.graphs``: the first call of a key runs eagerly and captures;
+    later ones copy their inputs in, replay and copy the outputs out; the same bits), the
+    collectives inside the graph: that needs an NCCL group. Traced calls (torch.compile)
+    and calls made inside the caller's own capture run their launches as they are. Every
+    rank must call it with the same arguments."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if not isinstance(graph_replay, bool):
+        raise ValueError(f"graph_replay must be True or False, got {graph_replay!r}")
     if not 1 <= conv_width <= 4:
         raise ValueError(f"conv_width must be in 1..4, got {conv_width}")
     cu = [int(c) for c in (cu_seqlens_global.tolist() if isinstance(cu_seqlens_global, torch.Tensor)
@@ -469,6 +483,9 @@ def build_context_kcp(
     if len(cu) < 2 or cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])):
         raise ValueError(f"cu_seqlens_global must start at 0 and never decrease, with N+1 >= 2 entries, got {cu}")
     group = group if group is not None else dist.group.WORLD
+    if graph_replay and dist.get_backend(group) != "nccl":
+        raise ValueError(f"graph_replay=True needs an NCCL group (its collectives run inside the CUDA graph); "
+                         f"this group's backend is {dist.get_backend(group)!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     fragments = tuple(_fragments(cu, held) for held in _held_ranges(cu, world, layout))
     if device is None:
@@ -479,7 +496,7 @@ def build_context_kcp(
         local.append(local[-1] + f.tokens)
     ctx = KcpContext(group_name=group.group_name, world=world, rank=rank, layout=layout, conv_width=conv_width,
                      cu_seqlens_global=tuple(cu), fragments=fragments, slots=max(len(f) for f in fragments),
-                     cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device))
+                     cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device), graph_replay=graph_replay)
     # Made here, so that no op call (traced, or captured in a CUDA graph) copies them in.
     ctx.chain_tables(ctx.cu_seqlens.device)
     ctx.ring_tables(ctx.cu_seqlens.device)

@@ -38,8 +38,11 @@ as for any replicated input).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from .. import graphs
 from ..checks import check_gdn
 from ..ops.gdn import SAVE_MODES, gdn_tapes_bytes, gdn_workspace_bytes
 from . import collectives
@@ -152,147 +155,199 @@ def _join(x_lead, x_rest, tables, dim_rows):
     return out.index_copy(0, index[0], x_lead).index_copy(0, index[1], x_rest)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Opts:
+    """A call's options, fixed for its forward and backward (the replay key's scalars)."""
+
+    walk: tuple  # (scale, use_qk_l2norm, deterministic), as every cake:: op takes them
+    full: bool
+    output_final_state: bool
+    ring: bool
+    save_transfer: bool
+    has_initial: bool
+
+
+def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
+    """The forward's tensors: ``o``, ``final`` (with output_final_state) and what the
+    backward reads (``starts``, ``transfers``, ``S0``, ``lead_tapes``, ``rest_tapes``;
+    absent where the call has none)."""
+    K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
+    tables, walk, xs = kcp.chain_tables(q.device), opts.walk, (q, k, v, g, beta)
+    out: dict = {}
+    if kcp.source_slots == 0 and initial_state is None:
+        # No document crosses a rank boundary and none has an initial state: every fragment
+        # is a whole document from zero, the single-GPU op on this rank's rows (no chain,
+        # no start states passed or saved, and in the backward no end gradients but the
+        # final states').
+        out["o"], final, out["rest_tapes"] = _walk(xs, kcp.cu_seqlens, None, walk, opts.full)
+        if opts.output_final_state:
+            out["final"] = _final_states(final, final.new_zeros(kcp.documents, *final.shape[1:]), kcp, tables)
+        return {n: x for n, x in out.items() if x is not None}
+    S0 = (initial_state.float() if initial_state is not None
+          else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
+    lead, relay, rest = tables.lead, tables.relay, tables.rest
+    # The lead sources start from their documents' initial states: walked with their
+    # outputs before any exchange, their end states are their summaries (E, with M = 0).
+    lead_out = None
+    if lead.count:
+        lead_out = _walk(lead.take(*xs), lead.cu_seqlens,
+                         S0.index_select(0, tables.lead_docs) if initial_state is not None else None, walk, opts.full)
+    parts = []
+    if relay.count:  # E from zero, M from the identity with v = 0
+        sub = relay.take(*xs)
+        eye = torch.eye(K, device=q.device).expand(relay.count, HV, K, K).contiguous()
+        E = torch.ops.cake.gdn_fwd_final_state(*sub, relay.cu_seqlens, None, *walk)
+        M = torch.ops.cake.gdn_fwd_final_state(sub[0], sub[1], sub[2].new_zeros(relay.tokens, HV, K),
+                                               sub[3], sub[4], relay.cu_seqlens, eye, *walk)
+        parts.append((tables.relay_sources, torch.cat([E, M], dim=-1)))
+    if lead.count:
+        end = lead_out[1]
+        parts.append((tables.lead_sources, torch.cat([end, end.new_zeros(lead.count, HV, K, K)], dim=-1)))
+    summaries = q.new_zeros(0, HV, K, V + K, dtype=torch.float32)
+    if len(parts) == 1:
+        summaries = parts[0][1]
+    elif parts:
+        summaries = q.new_empty(lead.count + relay.count, HV, K, V + K, dtype=torch.float32)
+        for at, x in parts:
+            summaries = summaries.index_copy(0, at, x)
+    if opts.ring:
+        starts = _ring_chain(summaries[..., :V], summaries[..., V:], S0, tables, kcp.ring_tables(q.device), kcp)
+        transfers = summaries[..., V:].contiguous()  # this rank's own: the ring's backward reads no other
+    else:
+        every = collectives.gather(_padded(summaries, kcp.source_slots), kcp) if kcp.source_slots else summaries
+        E_all, M_all = every[..., :V], every[..., V:]
+        starts = _chain(E_all, M_all, S0, tables)
+        # The backward's chain adjoint reads the transfers only (a copy: not the gathered
+        # E beside them); without save_transfer only this rank's, gathered again there.
+        transfers = (M_all if opts.save_transfer else _padded(summaries[..., V:], kcp.source_slots)).contiguous()
+    rest_out = None
+    if rest.count:  # every other fragment from its chained start state
+        rest_starts = starts if not lead.count else starts.index_select(0, rest.fragments)
+        rest_out = _walk(rest.take(*xs), rest.cu_seqlens, rest_starts, walk, opts.full)
+    out["o"] = _join(lead_out and lead_out[0], rest_out and rest_out[0], tables, True)
+    # The sub-batches are formed again in the backward, not kept.
+    out.update(starts=starts, transfers=transfers, S0=S0, lead_tapes=lead_out and lead_out[2],
+               rest_tapes=rest_out and rest_out[2])
+    if opts.output_final_state:
+        out["final"] = _final_states(_join(lead_out and lead_out[1], rest_out and rest_out[1], tables, False), S0,
+                                     kcp, tables)
+    return {n: x for n, x in out.items() if x is not None}
+
+
+def _final_states(final, S0, kcp, tables):
+    """Each document's final state from the rank holding its last fragment, to every rank
+    (an empty document's is its initial state, S0)."""
+    every_final = collectives.gather(_padded(final.index_select(0, tables.last_slots), kcp.last_slots), kcp)
+    return torch.cat([every_final, S0]).index_select(0, tables.final_rows)
+
+
+def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, rest_tapes, *, kcp, opts) -> dict:
+    """The gradients ``dq`` .. ``dbeta`` and, with an initial state, ``dh0``. ``do`` and
+    (with output_final_state) ``dfinal`` are tensors (zeros where autograd gave none);
+    ``starts``, ``transfers``, ``S0`` are None on the unchained path (``_forward``)."""
+    tables, walk = kcp.chain_tables(q.device), opts.walk
+    state = (kcp.documents, v.shape[1], q.shape[-1], v.shape[-1])
+    dS0 = q.new_zeros(state, dtype=torch.float32) if S0 is not None else None
+    # Each local fragment's end gradient: the final states' (document-last fragments) or,
+    # for a source, its next fragment's start gradient (below).
+    dht = q.new_zeros(kcp.cu_seqlens.shape[0] - 1, *state[1:], dtype=torch.float32) if S0 is not None else None
+    if opts.output_final_state:
+        pool = kcp.world * kcp.last_slots
+        dcat = dfinal.new_zeros(pool + state[0], *state[1:]).index_copy(0, tables.final_rows, dfinal)
+        mine = collectives.gather_adjoint(dcat[:pool], kcp)[: tables.last_slots.shape[0]]
+        if dht is None:
+            dht = q.new_zeros(kcp.cu_seqlens.shape[0] - 1, *state[1:], dtype=torch.float32)
+        dht = dht.index_copy(0, tables.last_slots, mine)
+        if dS0 is not None:
+            dS0 = dS0 + dcat[pool:]
+    if kcp.sink_slots:
+        # The sinks' start-state gradients from their own outputs and end gradients, to
+        # every rank. A sink that is a source too (a document's middle) walks back from
+        # zero here: the gradient at its end enters through the chain, as Mᵀ dS_end.
+        sinks = tables.sinks
+        F = q.new_zeros(0, *starts.shape[1:], dtype=torch.float32)
+        if sinks.count:
+            F = torch.ops.cake.gdn_bwd_initial_state(
+                *sinks.take(do), dht.index_select(0, sinks.fragments).contiguous(),
+                *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk)
+        if opts.ring:
+            F_local = torch.zeros_like(starts).index_copy(0, sinks.fragments, F)
+            picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
+        else:
+            M_all = transfers if opts.save_transfer else collectives.gather(transfers, kcp)
+            F_all = collectives.gather(_padded(F, kcp.sink_slots), kcp)
+            dend = _chain_adjoint(F_all, M_all, kcp.documents, tables)
+            picked = dend.index_select(0, tables.local_sources.clamp(min=0))
+        is_source = tables.local_sources >= 0
+        dht = torch.where(is_source[:, None, None, None], picked, dht)
+    # One backward per forward walk (the lead sources', the rest's), each fragment from its
+    # chained start state with its end gradient: a source's summaries' gradients come with
+    # it (the gradient of <dS_end, M S_start + E> is that of its walk's end state).
+    grads = []
+    for part, tapes in ((tables.lead, lead_tapes), (tables.rest, rest_tapes)):
+        whole = part.count == len(kcp.fragments[kcp.rank])
+        pick = lambda x: x if x is None or whole else x.index_select(0, part.fragments)  # noqa: E731
+        grads.append(torch.ops.cake.gdn_bwd(*part.take(do), pick(dht), *part.take(q, k, v, g, beta),
+                                            part.cu_seqlens, pick(starts), *walk, tapes) if part.count else None)
+    lead_g, rest_g = grads
+    out = {n: _join(lead_g and lead_g[i], rest_g and rest_g[i], tables, True)
+           for i, n in enumerate(("dq", "dk", "dv", "dg", "dbeta"))}
+    if opts.has_initial:
+        dstarts = _join(lead_g and lead_g[5], rest_g and rest_g[5], tables, False)
+        out["dh0"] = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
+    return out
+
+
+_replay_names: dict = {}  # a replay key -> the names of its launch's outputs, in order
+
+
+def _run(fn, tensors: dict, *, kcp, opts) -> dict:
+    """``fn(**tensors, kcp=kcp, opts=opts)``, a dict of tensors; with a context built for
+    ``graph_replay`` and CUDA tensors, as a graph replay of its key (``cake_ops.graphs``:
+    the key holds the context's serial, the options and every tensor's shape, strides and
+    dtype; absent tensors, None, are part of it)."""
+    names_in = sorted(tensors)
+    args = [tensors[n] for n in names_in]
+    if (not kcp.graph_replay or torch.compiler.is_compiling()
+            or not any(isinstance(a, torch.Tensor) and a.is_cuda for a in args)):
+        return fn(**tensors, kcp=kcp, opts=opts)
+    op = ("gdn_kcp", fn.__name__, kcp.serial, opts, tuple(a is None for a in args))
+    present = [a for a in args if a is not None]
+    key = graphs.key(op, present)
+
+    def launch(*xs):
+        it = iter(xs)
+        out = fn(**{n: (None if a is None else next(it)) for n, a in zip(names_in, args)}, kcp=kcp, opts=opts)
+        _replay_names[key] = sorted(out)
+        return tuple(out[n] for n in _replay_names[key])
+
+    got = graphs.replay(op, launch, present)
+    got = got if isinstance(got, tuple) else (got,)
+    return dict(zip(_replay_names[key], got))
+
+
 class _GdnKcp(torch.autograd.Function):
     @staticmethod
-    def forward(fctx, q, k, v, g, beta, initial_state, kcp, scale, use_qk_l2norm, deterministic, full,
-                output_final_state, ring, save_transfer):
-        K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
-        tables = kcp.chain_tables(q.device)
-        walk = (scale, use_qk_l2norm, deterministic)
-        fctx.kcp, fctx.walk, fctx.ring, fctx.save_transfer = kcp, walk, ring, save_transfer
-        fctx.has_initial, fctx.output_final_state = initial_state is not None, output_final_state
-        if kcp.source_slots == 0 and initial_state is None:
-            # No document crosses a rank boundary and none has an initial state: every
-            # fragment is a whole document from zero, the single-GPU op on this rank's rows.
-            return _GdnKcp._unchained(fctx, q, k, v, g, beta, kcp, tables, walk, full, output_final_state)
-        S0 = (initial_state.float() if initial_state is not None
-              else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
-        lead, relay, rest = tables.lead, tables.relay, tables.rest
-        xs = (q, k, v, g, beta)
-        # The lead sources start from their documents' initial states: walked with their
-        # outputs before any exchange, their end states are their summaries (E, with M = 0).
-        lead_out = None
-        if lead.count:
-            lead_out = _walk(lead.take(*xs), lead.cu_seqlens,
-                             S0.index_select(0, tables.lead_docs) if initial_state is not None else None, walk, full)
-        parts = []
-        if relay.count:  # E from zero, M from the identity with v = 0
-            sub = relay.take(*xs)
-            eye = torch.eye(K, device=q.device).expand(relay.count, HV, K, K).contiguous()
-            E = torch.ops.cake.gdn_fwd_final_state(*sub, relay.cu_seqlens, None, *walk)
-            M = torch.ops.cake.gdn_fwd_final_state(sub[0], sub[1], sub[2].new_zeros(relay.tokens, HV, K),
-                                                   sub[3], sub[4], relay.cu_seqlens, eye, *walk)
-            parts.append((tables.relay_sources, torch.cat([E, M], dim=-1)))
-        if lead.count:
-            end = lead_out[1]
-            parts.append((tables.lead_sources, torch.cat([end, end.new_zeros(lead.count, HV, K, K)], dim=-1)))
-        summaries = q.new_zeros(0, HV, K, V + K, dtype=torch.float32)
-        if len(parts) == 1:
-            summaries = parts[0][1]
-        elif parts:
-            summaries = q.new_empty(lead.count + relay.count, HV, K, V + K, dtype=torch.float32)
-            for at, x in parts:
-                summaries = summaries.index_copy(0, at, x)
-        if ring:
-            starts = _ring_chain(summaries[..., :V], summaries[..., V:], S0, tables, kcp.ring_tables(q.device), kcp)
-            transfers = summaries[..., V:].contiguous()  # this rank's own: the ring's backward reads no other
-        else:
-            every = (collectives.gather(_padded(summaries, kcp.source_slots), kcp) if kcp.source_slots
-                     else summaries)
-            E_all, M_all = every[..., :V], every[..., V:]
-            starts = _chain(E_all, M_all, S0, tables)
-            # The backward's chain adjoint reads the transfers only (a copy: not the gathered
-            # E beside them); without save_transfer only this rank's, gathered again there.
-            transfers = (M_all if save_transfer else _padded(summaries[..., V:], kcp.source_slots)).contiguous()
-        rest_out = None
-        if rest.count:  # every other fragment from its chained start state
-            rest_starts = starts if not lead.count else starts.index_select(0, rest.fragments)
-            rest_out = _walk(rest.take(*xs), rest.cu_seqlens, rest_starts, walk, full)
-        o = _join(lead_out and lead_out[0], rest_out and rest_out[0], tables, True)
-        # The sub-batches are formed again in the backward, not kept.
-        fctx.save_for_backward(q, k, v, g, beta, starts, transfers, S0, lead_out and lead_out[2],
-                               rest_out and rest_out[2])
-        if not output_final_state:
-            return o, None
-        final = _join(lead_out and lead_out[1], rest_out and rest_out[1], tables, False)
-        return o, _GdnKcp._final_states(final, S0, kcp, tables)
-
-    @staticmethod
-    def _final_states(final, S0, kcp, tables):
-        """Each document's final state from the rank holding its last fragment, to every
-        rank (an empty document's is its initial state, S0)."""
-        every_final = collectives.gather(_padded(final.index_select(0, tables.last_slots), kcp.last_slots), kcp)
-        return torch.cat([every_final, S0]).index_select(0, tables.final_rows)
-
-    @staticmethod
-    def _unchained(fctx, q, k, v, g, beta, kcp, tables, walk, full, output_final_state):
-        """The forward where no fragment needs a start state: no chain, no initial states
-        passed or saved, and in the backward no end gradients but the final states'."""
-        o, final, tapes = _walk((q, k, v, g, beta), kcp.cu_seqlens, None, walk, full)
-        fctx.save_for_backward(q, k, v, g, beta, None, None, None, None, tapes)
-        if not output_final_state:
-            return o, None
-        zeros = final.new_zeros(kcp.documents, *final.shape[1:])
-        return o, _GdnKcp._final_states(final, zeros, kcp, tables)
+    def forward(fctx, q, k, v, g, beta, initial_state, kcp, opts):
+        fctx.kcp, fctx.opts = kcp, opts
+        out = _run(_forward, dict(q=q, k=k, v=v, g=g, beta=beta, initial_state=initial_state), kcp=kcp, opts=opts)
+        fctx.save_for_backward(q, k, v, g, beta, *(out.get(n) for n in SAVED))
+        return out["o"], out.get("final")
 
     @staticmethod
     def backward(fctx, do, dfinal):
-        kcp, walk = fctx.kcp, fctx.walk
-        q, k, v, g, beta, starts, transfers, S0, lead_tapes, rest_tapes = fctx.saved_tensors
-        tables = kcp.chain_tables(q.device)
+        kcp, opts = fctx.kcp, fctx.opts
+        q, k, v, g, beta, *saved = fctx.saved_tensors
         do = torch.zeros_like(v) if do is None else do
-        state = (kcp.documents, v.shape[1], q.shape[-1], v.shape[-1])
-        dS0 = q.new_zeros(state, dtype=torch.float32) if S0 is not None else None
-        # Each local fragment's end gradient: the final states' (document-last fragments)
-        # or, for a source, its next fragment's start gradient (below).
-        dht = q.new_zeros(kcp.cu_seqlens.shape[0] - 1, *state[1:], dtype=torch.float32) if S0 is not None else None
-        if fctx.output_final_state:
-            dfinal = q.new_zeros(state, dtype=torch.float32) if dfinal is None else dfinal
-            pool = kcp.world * kcp.last_slots
-            dcat = dfinal.new_zeros(pool + state[0], *state[1:]).index_copy(0, tables.final_rows, dfinal)
-            mine = collectives.gather_adjoint(dcat[:pool], kcp)[: tables.last_slots.shape[0]]
-            if dht is None:
-                dht = q.new_zeros(kcp.cu_seqlens.shape[0] - 1, *state[1:], dtype=torch.float32)
-            dht = dht.index_copy(0, tables.last_slots, mine)
-            if dS0 is not None:
-                dS0 = dS0 + dcat[pool:]
-        if kcp.sink_slots:
-            # The sinks' start-state gradients from their own outputs and end gradients, to
-            # every rank. A sink that is a source too (a document's middle) walks back from
-            # zero here: the gradient at its end enters through the chain, as Mᵀ dS_end.
-            sinks = tables.sinks
-            F = q.new_zeros(0, *starts.shape[1:], dtype=torch.float32)
-            if sinks.count:
-                F = torch.ops.cake.gdn_bwd_initial_state(
-                    *sinks.take(do), dht.index_select(0, sinks.fragments).contiguous(),
-                    *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk)
-            if fctx.ring:
-                F_local = torch.zeros_like(starts).index_copy(0, sinks.fragments, F)
-                picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
-            else:
-                M_all = transfers if fctx.save_transfer else collectives.gather(transfers, kcp)
-                F_all = collectives.gather(_padded(F, kcp.sink_slots), kcp)
-                dend = _chain_adjoint(F_all, M_all, kcp.documents, tables)
-                picked = dend.index_select(0, tables.local_sources.clamp(min=0))
-            is_source = tables.local_sources >= 0
-            dht = torch.where(is_source[:, None, None, None], picked, dht)
-        # One backward per forward walk (the lead sources', the rest's), each fragment from
-        # its chained start state with its end gradient: a source's summaries' gradients
-        # come with it (the gradient of <dS_end, M S_start + E> is that of its walk's end
-        # state).
-        grads = []
-        for part, tapes in ((tables.lead, lead_tapes), (tables.rest, rest_tapes)):
-            whole = part.count == len(kcp.fragments[kcp.rank])
-            pick = lambda x: x if x is None or whole else x.index_select(0, part.fragments)  # noqa: E731
-            grads.append(torch.ops.cake.gdn_bwd(*part.take(do), pick(dht), *part.take(q, k, v, g, beta),
-                                                part.cu_seqlens, pick(starts), *walk, tapes) if part.count else None)
-        lead_g, rest_g = grads
-        dq, dk, dv, dg, dbeta = (_join(lead_g and lead_g[i], rest_g and rest_g[i], tables, True) for i in range(5))
-        dstarts = _join(lead_g and lead_g[5], rest_g and rest_g[5], tables, False)
-        dh0 = None
-        if fctx.has_initial:
-            dh0 = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
-        return dq, dk, dv, dg, dbeta, dh0, None, None, None, None, None, None, None, None
+        if opts.output_final_state and dfinal is None:
+            dfinal = q.new_zeros(kcp.documents, v.shape[1], q.shape[-1], v.shape[-1], dtype=torch.float32)
+        tensors = dict(do=do, dfinal=dfinal if opts.output_final_state else None, q=q, k=k, v=v, g=g, beta=beta,
+                       **dict(zip(SAVED, saved)))
+        out = _run(_backward, tensors, kcp=kcp, opts=opts)
+        return out["dq"], out["dk"], out["dv"], out["dg"], out["dbeta"], out.get("dh0"), None, None
+
+
+SAVED = ("starts", "transfers", "S0", "lead_tapes", "rest_tapes")  # what _backward reads of _forward's
 
 
 def gdn_kcp(
@@ -362,8 +417,9 @@ def gdn_kcp(
     check_gdn(q, k, v, g, beta, ctx.cu_seqlens, None)
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    return _GdnKcp.apply(q, k, v, g, beta, initial_state, ctx, float(scale), use_qk_l2norm, deterministic,
-                         save_mode == "full", output_final_state, exchange == "ring", save_transfer)
+    opts = _Opts((float(scale), use_qk_l2norm, deterministic), save_mode == "full", output_final_state,
+                 exchange == "ring", save_transfer, initial_state is not None)
+    return _GdnKcp.apply(q, k, v, g, beta, initial_state, ctx, opts)
 
 
 EXCHANGES = ("a2a", "ring")

@@ -136,3 +136,49 @@ def test_kcp_workspace_bytes_are_its_ops_largest():
     backward runs on each rank (layout D: rank 0 holds every document's lead source and
     its last fragment, the others relays)."""
     run_rank_threads(_workspace_case, 3, [5000, 700, 2100], 2, 6, timeout=300)
+
+
+@pytest.fixture
+def one_rank_nccl_group():
+    """A one-rank NCCL group in this process (the collectives are then copies, but NCCL's:
+    graph_replay captures them as a multi-GPU run would)."""
+    assert not dist.is_initialized()
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_kcp_graph_replay_is_the_eager_bits(one_rank_nccl_group):
+    """build_context_kcp(graph_replay=True): gdn_kcp's forward and backward as graph replays
+    (the first call of a key eager and capturing, then replays), bitwise the eager calls'
+    outputs and gradients on NaN-poisoned allocations, with and without initial states (the
+    chained path and its collectives, or the single-GPU op's), in the save modes and
+    exchanges; one graph per key."""
+    from cake_ops import graphs
+
+    lengths, H, HV = [3000, 65, 1, 2100], 2, 6
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, initial_state=True, device="cuda", seed=11)
+    cu = inp["cu_seqlens"].cpu()
+    eager, replayed = (build_context_kcp(cu, device="cuda", graph_replay=r) for r in (False, True))
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    do = torch.randn(inp["v"].shape, device="cuda", generator=gen).bfloat16()
+    dht = torch.randn(inp["initial_state"].shape, device="cuda", generator=gen)
+
+    def run(ctx, initial, **form):
+        leaves = [inp[n].clone().requires_grad_(True) for n in NAMES[: 6 if initial else 5]]
+        h0 = leaves[5] if initial else None
+        o, ht = gdn_kcp(*leaves[:5], ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True, **form)
+        return [o, ht, *torch.autograd.grad((o, ht), leaves, (do, dht))]
+
+    graphs.clear()
+    forms = ({}, {"save_mode": "full"}, {"exchange": "ring", "save_transfer": False})
+    with poisoned_allocations():
+        for initial in (True, False):
+            for form in forms:
+                want = run(eager, initial, **form)
+                for call in range(3):  # eager and capturing, then two replays
+                    for a, b in zip(want, run(replayed, initial, **form)):
+                        assert torch.equal(a, b), (initial, form, call)
+    assert graphs.keys() == min(graphs.MAX_KEYS, 2 * 2 * len(forms))  # a forward and a backward key per form
+    graphs.clear()

@@ -48,6 +48,10 @@ def test_kcp_errors_name_the_argument(one_rank_group):
         build_context_kcp([0, 10], conv_width=5)
     with pytest.raises(ValueError, match="cu_seqlens_global"):
         build_context_kcp([0, 10, 5])
+    with pytest.raises(ValueError, match="graph_replay=True needs an NCCL group.*'gloo'"):
+        build_context_kcp([0, 10], graph_replay=True)
+    with pytest.raises(ValueError, match="graph_replay must be True or False"):
+        build_context_kcp([0, 10], graph_replay="yes")
     ctx = build_context_kcp([0, 6, 10], conv_width=3)
     q = torch.randn(10, 1, 8)
     v, g, b = torch.randn(10, 1, 8), -torch.rand(10, 1), torch.rand(10, 1)
