@@ -147,6 +147,7 @@ class Timer:
         self.flush_buf = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device) if self.cuda else None
         self.sessions = 0  # profiler sessions so far in this process
         self.last_kernels: dict[str, float] = {}  # kernel_ms's last sample, per kernel: ms per call
+        self.last_spans: list[tuple[str, float, float]] = []  # and its launches: (name, start us, end us)
 
     def sync(self):
         if self.cuda:
@@ -185,7 +186,7 @@ class Timer:
                 step()
             self.sync()
         pads_seen, launches, spans = 0, [], []
-        self.last_kernels = {}
+        self.last_kernels, self.last_spans = {}, []
         for e in sorted(prof.events(), key=lambda e: e.time_range.start):
             if e.device_type != DeviceType.CUDA or getattr(e, "is_user_annotation", False):
                 continue
@@ -197,6 +198,7 @@ class Timer:
                 return [math.nan]
             launches.append((e.name, dur))
             spans.append((e.time_range.start, e.time_range.end))
+            self.last_spans.append((e.name, e.time_range.start, e.time_range.end))
         if pads_seen == 0 or not launches:
             print(f"  warning: profiler session kept {pads_seen}/{pads} pads and {len(launches)} kernels; sample dropped", flush=True)
             return [math.nan]
