@@ -112,6 +112,19 @@ def check_scale(scale) -> None:
         _fail(ValueError, f"scale must be finite, got {scale}")
 
 
+MAX_SEGMENT_CHUNKS = 1 << 20  # the binding's bound (csrc/gdn/binding.cpp)
+
+
+def check_segment_chunks(segment_chunks) -> None:
+    """The cut grid of a call's CUDA walks: -1 (the plan's choice), 0 (uncut) or a grid in
+    64-token chunks (the PyTorch path, which walks uncut, checks it too)."""
+    if isinstance(segment_chunks, bool) or not isinstance(segment_chunks, int):
+        _fail(TypeError, f"segment_chunks must be an int, got {type(segment_chunks).__name__}")
+    if not -1 <= segment_chunks <= MAX_SEGMENT_CHUNKS:
+        _fail(ValueError, f"segment_chunks must be -1 (the plan's choice), 0 (uncut) or a cut grid of 1 .. "
+                          f"{MAX_SEGMENT_CHUNKS} chunks, got {segment_chunks}")
+
+
 def check_gdn_grads(do, dht, T, HV, V, N, K):
     _check_shape("grad of o", do, (T, HV, V), "[T, HV, V]")
     if dht is not None:

@@ -4,22 +4,26 @@
 import torch
 
 from cake_ops import dispatch
-from cake_ops.checks import check_gdn, check_gdn_grads, check_scale
+from cake_ops.checks import check_gdn, check_gdn_grads, check_scale, check_segment_chunks
 from cake_ops.ops.gdn import gdn_tapes_bytes
 
 
 @torch.library.register_fake("cake::gdn_fwd")
-def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
+def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
+            segment_chunks=-1):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     o = v.new_empty(T, HV, V)
     final_state = q.new_empty(N, HV, K, V, dtype=torch.float32)
     return o, final_state
 
 
 @torch.library.register_fake("cake::gdn_fwd_full")
-def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
-    o, final_state = gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
+                 segment_chunks=-1):
+    o, final_state = gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                             segment_chunks=segment_chunks)
     T, H, HV, N = q.shape[0], q.shape[1], v.shape[1], cu_seqlens.shape[0] - 1
     # The tapes exist where the CUDA kernels take the call (the same static rule as the op's).
     on_cuda = q.device.type == "cuda" and dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is None
@@ -28,18 +32,21 @@ def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
 
 
 @torch.library.register_fake("cake::gdn_fwd_final_state")
-def gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                        segment_chunks=-1):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     return q.new_empty(N, HV, K, V, dtype=torch.float32)
 
 
 @torch.library.register_fake("cake::gdn_bwd")
 def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, tapes=None,
-            graph=False):
+            graph=False, segment_chunks=-1):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -51,8 +58,10 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
 
 
 @torch.library.register_fake("cake::gdn_bwd_initial_state")
-def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic):
+def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                          segment_chunks=-1):
     T, H, K, HV, V, N = check_gdn(q, k, do, g, beta, cu_seqlens, None, v_name="do")
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     return q.new_empty(N, HV, K, V, dtype=torch.float32)

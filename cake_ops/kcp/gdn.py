@@ -130,12 +130,13 @@ def _ring_chain_adjoint(F, M, steps, kcp, fragments: int):
     return dend
 
 
-def _walk(xs, cu_seqlens, starts, walk, full):
+def _walk(xs, cu_seqlens, starts, opts):
     """One ``cake::gdn_fwd`` (or, saving the tapes, ``gdn_fwd_full``) of a sub-batch:
     (o, final states, tapes or None)."""
-    if full:
-        return torch.ops.cake.gdn_fwd_full(*xs, cu_seqlens, starts, *walk)
-    (o, final), tapes = torch.ops.cake.gdn_fwd(*xs, cu_seqlens, starts, *walk), None
+    grid = dict(segment_chunks=opts.segment_chunks)
+    if opts.full:
+        return torch.ops.cake.gdn_fwd_full(*xs, cu_seqlens, starts, *opts.walk, **grid)
+    (o, final), tapes = torch.ops.cake.gdn_fwd(*xs, cu_seqlens, starts, *opts.walk, **grid), None
     return o, final, tapes
 
 
@@ -165,6 +166,7 @@ class _Opts:
     ring: bool
     save_transfer: bool
     has_initial: bool
+    segment_chunks: int  # every walk's cut grid (-1: the ops' plan; ``segments``)
 
 
 def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
@@ -179,7 +181,7 @@ def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
         # is a whole document from zero, the single-GPU op on this rank's rows (no chain,
         # no start states passed or saved, and in the backward no end gradients but the
         # final states').
-        out["o"], final, out["rest_tapes"] = _walk(xs, kcp.cu_seqlens, None, walk, opts.full)
+        out["o"], final, out["rest_tapes"] = _walk(xs, kcp.cu_seqlens, None, opts)
         if opts.output_final_state:
             out["final"] = _final_states(final, final.new_zeros(kcp.documents, *final.shape[1:]), kcp, tables)
         return {n: x for n, x in out.items() if x is not None}
@@ -191,14 +193,16 @@ def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
     lead_out = None
     if lead.count:
         lead_out = _walk(lead.take(*xs), lead.cu_seqlens,
-                         S0.index_select(0, tables.lead_docs) if initial_state is not None else None, walk, opts.full)
+                         S0.index_select(0, tables.lead_docs) if initial_state is not None else None, opts)
     parts = []
     if relay.count:  # E from zero, M from the identity with v = 0
         sub = relay.take(*xs)
         eye = torch.eye(K, device=q.device).expand(relay.count, HV, K, K).contiguous()
-        E = torch.ops.cake.gdn_fwd_final_state(*sub, relay.cu_seqlens, None, *walk)
+        E = torch.ops.cake.gdn_fwd_final_state(*sub, relay.cu_seqlens, None, *walk,
+                                               segment_chunks=opts.segment_chunks)
         M = torch.ops.cake.gdn_fwd_final_state(sub[0], sub[1], sub[2].new_zeros(relay.tokens, HV, K),
-                                               sub[3], sub[4], relay.cu_seqlens, eye, *walk)
+                                               sub[3], sub[4], relay.cu_seqlens, eye, *walk,
+                                               segment_chunks=opts.segment_chunks)
         parts.append((tables.relay_sources, torch.cat([E, M], dim=-1)))
     if lead.count:
         end = lead_out[1]
@@ -223,7 +227,7 @@ def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
     rest_out = None
     if rest.count:  # every other fragment from its chained start state
         rest_starts = starts if not lead.count else starts.index_select(0, rest.fragments)
-        rest_out = _walk(rest.take(*xs), rest.cu_seqlens, rest_starts, walk, opts.full)
+        rest_out = _walk(rest.take(*xs), rest.cu_seqlens, rest_starts, opts)
     out["o"] = _join(lead_out and lead_out[0], rest_out and rest_out[0], tables, True)
     # The sub-batches are formed again in the backward, not kept.
     out.update(starts=starts, transfers=transfers, S0=S0, lead_tapes=lead_out and lead_out[2],
@@ -269,7 +273,7 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
         if sinks.count:
             F = torch.ops.cake.gdn_bwd_initial_state(
                 *sinks.take(do), dht.index_select(0, sinks.fragments).contiguous(),
-                *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk)
+                *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk, segment_chunks=opts.segment_chunks)
         if opts.ring:
             F_local = torch.zeros_like(starts).index_copy(0, sinks.fragments, F)
             picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
@@ -288,7 +292,8 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
         whole = part.count == len(kcp.fragments[kcp.rank])
         pick = lambda x: x if x is None or whole else x.index_select(0, part.fragments)  # noqa: E731
         grads.append(torch.ops.cake.gdn_bwd(*part.take(do), pick(dht), *part.take(q, k, v, g, beta),
-                                            part.cu_seqlens, pick(starts), *walk, tapes) if part.count else None)
+                                            part.cu_seqlens, pick(starts), *walk, tapes,
+                                            segment_chunks=opts.segment_chunks) if part.count else None)
     lead_g, rest_g = grads
     out = {n: _join(lead_g and lead_g[i], rest_g and rest_g[i], tables, True)
            for i, n in enumerate(("dq", "dk", "dv", "dg", "dbeta"))}
@@ -366,6 +371,7 @@ def gdn_kcp(
     exchange: str = "a2a",
     save_mode: str = "light",
     save_transfer: bool = True,
+    segments: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GDN of a global packed batch held across the ranks of ``ctx`` (a collective:
     every rank calls it with its own rows).
@@ -390,6 +396,13 @@ def gdn_kcp(
             (default) or only this rank's, gathered again there (W - 1 times less memory,
             one more all-gather). The ring keeps only this rank's and reads no other:
             it requires False.
+        segments: the cut grid of this rank's walks on the CUDA kernels, as a count P:
+            every fragment cut every ceil(C / P) chunks, C those of the rank's longest
+            fragment (cut so into P segments, the others into at most P), each segment
+            summarised and chained in fp32 as the single-GPU op's cut grid is. None
+            (default): the single-GPU plan's grid. The grid is fixed by the plan and P,
+            never the SM count, so deterministic calls stay bitwise reproducible; the
+            PyTorch path walks uncut either way.
     Returns:
         (o, this rank's rows [T_r, HV, V]; final states or None). Gradients of the
         replicated states are partial (module docstring).
@@ -418,11 +431,21 @@ def gdn_kcp(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     opts = _Opts((float(scale), use_qk_l2norm, deterministic), save_mode == "full", output_final_state,
-                 exchange == "ring", save_transfer, initial_state is not None)
+                 exchange == "ring", save_transfer, initial_state is not None, _segment_chunks(ctx, segments))
     return _GdnKcp.apply(q, k, v, g, beta, initial_state, ctx, opts)
 
 
 EXCHANGES = ("a2a", "ring")
+
+
+def _segment_chunks(ctx: KcpContext, segments) -> int:
+    """The ops' ``segment_chunks`` for ``gdn_kcp(segments=)`` on this rank (-1 for None)."""
+    if segments is None:
+        return -1
+    if isinstance(segments, bool) or not isinstance(segments, int) or segments < 1:
+        raise ValueError(f"segments must be None (the plan's cut grid) or an int >= 1, got {segments!r}")
+    longest = max(-(-f.tokens // 64) for f in ctx.fragments[ctx.rank])
+    return max(1, -(-longest // segments))
 
 
 def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128, *,
@@ -465,7 +488,7 @@ def _walks(ctx: KcpContext) -> list[list]:
 
 
 def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool = False, deterministic: bool = True,
-                        save_mode: str = "light", direction: str = "forward") -> int:
+                        save_mode: str = "light", direction: str = "forward", segments: int | None = None) -> int:
     """The largest workspace one ``cake::`` op of a ``gdn_kcp`` call allocates on this
     rank, in its forward or its backward (``direction``), on the CUDA kernels (K = V =
     128; ``cake_ops.gdn_workspace_bytes`` of each op's batch, which tests hold to the
@@ -482,7 +505,7 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     frags, firsts = ctx.fragments[ctx.rank], {f[0] for f in ctx.doc_fragments if f}
     relays = [frags[s] for s in ctx.sources[ctx.rank] if (ctx.rank, s) not in firsts]
     sinks = [frags[s] for s in ctx.sinks[ctx.rank]]
-    opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic)
+    opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic, segment_chunks=_segment_chunks(ctx, segments))
     walks = [(part, "forward" if direction == "forward" else "backward") for part in _walks(ctx)]
     if direction == "forward" and relays:
         walks.append((relays, "final_state"))

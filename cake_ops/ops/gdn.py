@@ -27,7 +27,7 @@ import torch
 
 from .. import checkpointing, dispatch, graphs
 from . import cuda_kernel
-from ..checks import check_cu_seqlens_values, check_gdn, check_gdn_grads, check_scale
+from ..checks import check_cu_seqlens_values, check_gdn, check_gdn_grads, check_scale, check_segment_chunks
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
 
@@ -86,15 +86,20 @@ def gdn_fwd(
     use_qk_l2norm: bool,
     deterministic: bool,
     graph: bool = False,
+    segment_chunks: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked GDN forward over packed documents.
 
     Returns (o [T, HV, V] in v's dtype, final_state [N, HV, K, V] fp32). The final state
     is always produced (it is small); ``cake_ops.gdn`` drops it unless asked. ``graph``:
     the CUDA kernels' launches replayed from a CUDA graph (``cake_ops.graphs``; the
-    PyTorch path ignores it).
+    PyTorch path ignores it). ``segment_chunks``: the CUDA walks' cut grid, -1 (the
+    plan's: docs/kernels.md, "Plan and cut grid"), 0 (uncut) or every that many chunks
+    of each document (the PyTorch path walks uncut either way; the backward of the call
+    takes the same grid).
     """
-    return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+    return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                            segment_chunks=segment_chunks)
 
 
 def gdn_tapes_bytes(T: int, N: int, H: int, HV: int, use_qk_l2norm: bool) -> int:
@@ -156,6 +161,7 @@ def gdn_workspace_bytes(
     deterministic: bool = True,
     save_mode: str = "light",
     direction: str = "forward",
+    segment_chunks: int = -1,
 ) -> int:
     """Bytes of the one workspace a ``gdn`` call's CUDA kernels allocate beside its
     inputs and outputs, on the current CUDA device (the plan reads its SM count), for
@@ -165,24 +171,28 @@ def gdn_workspace_bytes(
     ``cake::gdn_bwd_initial_state`` call's (the light backward's workspace and the dv_new
     its reverse walk writes on the way, bf16 [T, HV, 128]; ``save_mode`` does not enter);
     ``direction="final_state"``: a ``cake::gdn_fwd_final_state`` call's (the light
-    forward's workspace: it allocates no o).
+    forward's workspace: it allocates no o). ``segment_chunks``: the ops' cut grid (-1:
+    the plan's).
     Needs the CUDA extension (the PyTorch implementation has no workspace of its own); a
     ValueError names a bad option."""
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if direction not in WORKSPACE_DIRECTIONS:
         raise ValueError(f"direction must be one of {WORKSPACE_DIRECTIONS}, got {direction!r}")
+    check_segment_chunks(segment_chunks)
     from .. import build
 
     if not build.available():
         raise RuntimeError(f"gdn_workspace_bytes needs the CUDA kernels: {build.unavailable_reason()}")
     if direction == "initial_state":
         dv_new = T * HV * dispatch.GDN_CUDA_HEAD_DIM * 2  # bf16
-        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, True, False) + dv_new
+        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, True, False,
+                                                segment_chunks) + dv_new
     if direction == "final_state":
-        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, False, False)
+        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, False, False,
+                                                segment_chunks)
     return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, direction == "backward",
-                                            save_mode == "full")
+                                            save_mode == "full", segment_chunks)
 
 
 WORKSPACE_DIRECTIONS = ("forward", "backward", "initial_state", "final_state")
@@ -201,17 +211,19 @@ def gdn_fwd_full(
     use_qk_l2norm: bool,
     deterministic: bool,
     graph: bool = False,
+    segment_chunks: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``cake::gdn_fwd`` of the full save mode: (o, final_state, tapes), tapes uint8
     [``gdn_tapes_bytes``] on the CUDA path (the forward's tapes for ``cake::gdn_bwd``),
     empty on the PyTorch path. o and final_state are bitwise ``cake::gdn_fwd``'s."""
-    return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
+    return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                                 segment_chunks=segment_chunks)
 
 
 def _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                          graph=False):
+                          graph=False, segment_chunks=-1):
     o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                      deterministic)
+                                      deterministic, segment_chunks=segment_chunks)
     return o, final_state, q.new_empty(0, dtype=torch.uint8)  # no tapes: its backward recomputes
 
 
@@ -225,19 +237,22 @@ def _launch(op: str, graph: bool, args: tuple):
 
 @cuda_kernel("gdn_fwd_full")
 def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                       graph=False):
+                       graph=False, segment_chunks=-1):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                      deterministic)
     return _launch("gdn_fwd_full", graph, (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                           effective_deterministic(deterministic)))
+                                           effective_deterministic(deterministic), segment_chunks))
 
 
-def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
+def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
+                     segment_chunks=-1):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     if _output_discarded():
@@ -246,9 +261,11 @@ def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
 
 
 @cuda_kernel("gdn_fwd")
-def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False):
+def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
+                  segment_chunks=-1):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
     deterministic = effective_deterministic(deterministic)
@@ -256,7 +273,7 @@ def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2n
         return _unwritten_outputs(q, v, cu_seqlens)
     # The kernels' first stage checks cu_seqlens's values itself (csrc/gdn/plan.cu).
     return _launch("gdn_fwd", graph, (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                      deterministic))
+                                      deterministic, segment_chunks))
 
 
 @torch.library.custom_op("cake::gdn_fwd_final_state", mutates_args=())
@@ -271,6 +288,7 @@ def gdn_fwd_final_state(
     scale: float,
     use_qk_l2norm: bool,
     deterministic: bool,
+    segment_chunks: int = -1,
 ) -> torch.Tensor:
     """The final states alone: [N, HV, K, V] fp32, bitwise the final state of
     ``cake::gdn_fwd`` on the same arguments. On the CUDA kernels it runs the forward's
@@ -279,28 +297,32 @@ def gdn_fwd_final_state(
     KCP's forward uses it for the summaries of the fragments another of their document
     follows (cake_ops/kcp/gdn.py); ``scale`` is checked but enters no state."""
     return _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                        deterministic)
+                                        deterministic, segment_chunks)
 
 
-def _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                                 segment_chunks=-1):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm)
 
 
 @cuda_kernel("gdn_fwd_final_state")
-def _gdn_fwd_final_state_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_fwd_final_state_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                              segment_chunks=-1):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
+    check_segment_chunks(segment_chunks)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                             deterministic)
     from .. import build
 
     return build.load().gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                            effective_deterministic(deterministic), -1, -1)
+                                            effective_deterministic(deterministic), segment_chunks, -1)
 
 
 @torch.library.custom_op("cake::gdn_bwd", mutates_args=())
@@ -319,6 +341,7 @@ def gdn_bwd(
     deterministic: bool,
     tapes: torch.Tensor | None = None,
     graph: bool = False,
+    segment_chunks: int = -1,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked GDN backward: the forward's tapes (recomputed from the inputs in the light
     save mode; ``tapes`` from ``cake::gdn_fwd_full`` in the full one), dS walked back,
@@ -326,9 +349,10 @@ def gdn_bwd(
 
     Returns (dq, dk, dv, dg, dbeta, dh0) with the dtypes of (q, k, v, g, beta) and
     dh0 [N, HV, K, V] fp32 (the gradient of the initial state, zero or not).
+    ``segment_chunks``: the forward's (``cake::gdn_fwd``).
     """
     args = (do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
-    return _gdn_bwd_pytorch(*args)
+    return _gdn_bwd_pytorch(*args, segment_chunks=segment_chunks)
 
 
 def _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale) -> int:
@@ -339,8 +363,10 @@ def _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale) 
     return T
 
 
-def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic):
+def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
+                     segment_chunks=-1):
     T = _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
+    check_segment_chunks(segment_chunks)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
@@ -348,8 +374,9 @@ def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale
 
 @cuda_kernel("gdn_bwd")
 def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                  tapes=None, graph=False):
+                  tapes=None, graph=False, segment_chunks=-1):
     _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
+    check_segment_chunks(segment_chunks)
     if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                 deterministic)
@@ -359,7 +386,7 @@ def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, u
     # chunk-local gradients. An empty tapes tensor is a forward that ran the PyTorch path.
     kept = tapes if tapes is not None and tapes.numel() > 0 else None
     return _launch("gdn_bwd", graph, (do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                      deterministic, -1, -1, -1, kept))
+                                      deterministic, segment_chunks, -1, -1, kept))
 
 
 @torch.library.custom_op("cake::gdn_bwd_initial_state", mutates_args=())
@@ -374,6 +401,7 @@ def gdn_bwd_initial_state(
     scale: float,
     use_qk_l2norm: bool,
     deterministic: bool,
+    segment_chunks: int = -1,
 ) -> torch.Tensor:
     """The initial states' gradient alone: dh0 [N, HV, K, V] fp32, bitwise the dh0 of
     ``cake::gdn_bwd`` on the same arguments. The state gradient's walk back reads q, k,
@@ -381,11 +409,14 @@ def gdn_bwd_initial_state(
     takes no v and no initial state, and runs the backward's prep and reverse walk
     without the tape walk and the chunk-local gradients. KCP's backward uses it for the
     fragments that follow another of their document (cake_ops/kcp/gdn.py)."""
-    return _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic)
+    return _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                          segment_chunks)
 
 
-def _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic):
+def _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                   segment_chunks=-1):
     _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale)
+    check_segment_chunks(segment_chunks)
     check_cu_seqlens_values(cu_seqlens, q.shape[0])
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm)
@@ -399,15 +430,17 @@ def _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale) -> N
 
 
 @cuda_kernel("gdn_bwd_initial_state")
-def _gdn_bwd_initial_state_cuda(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic):
+def _gdn_bwd_initial_state_cuda(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                segment_chunks=-1):
     _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale)
+    check_segment_chunks(segment_chunks)
     if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, do, g, beta, cu_seqlens, scale) is not None:
         return _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
                                               deterministic)
     from .. import build
 
     return build.load().gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
-                                              effective_deterministic(deterministic), -1, -1)
+                                              effective_deterministic(deterministic), segment_chunks, -1)
 
 
 def _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm):
@@ -420,7 +453,7 @@ def _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph = inputs
+    q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph, segment_chunks = inputs
     # Light save mode: inputs only; the backward recomputes the chunk tensors and the walk.
     # Full save mode (gdn_fwd_full, a third output): the forward's tapes too. In a
     # checkpoint run that keeps no tapes while the region's other run may: a stand-in.
@@ -437,7 +470,7 @@ def _setup_context(ctx, inputs, output):
     # of host time at s16k_h8; the tapes' size in the full mode, 0.48 ms at s32k_h16).
     ctx.set_materialize_grads(False)
     ctx.args = (scale, use_qk_l2norm, deterministic)
-    ctx.graph = graph
+    ctx.graph, ctx.segment_chunks = graph, segment_chunks
 
 
 def _backward(ctx, do, dht, _dtapes=None):
@@ -446,9 +479,9 @@ def _backward(ctx, do, dht, _dtapes=None):
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.cake.gdn_bwd(
         do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args,
-        tapes if checkpointing.kept(tapes) else None, ctx.graph
+        tapes if checkpointing.kept(tapes) else None, ctx.graph, ctx.segment_chunks
     )
-    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None
+    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None, None
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -456,7 +489,8 @@ gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _setup_final_state(ctx, inputs, output):
-    _setup_context(ctx, inputs + (False,), (None, output))
+    *args, segment_chunks = inputs
+    _setup_context(ctx, (*args, False, segment_chunks), (None, output))
 
 
 def _backward_final_state(ctx, dht):

@@ -819,20 +819,24 @@ at::Tensor gdn_bwd_initial_state(const at::Tensor& dout, const std::optional<at:
 // The bytes of the one workspace a call allocates beside its inputs and outputs (the
 // plan's GdnPlan::ws; docs/kernels.md, "Workspaces"), for a gdn_fwd (tapes: gdn_fwd_full)
 // or gdn_bwd (tapes: given the full save mode's tapes) call of these shapes on the current
-// device, whose SM count the plan reads. The caller's allocator holds it rounded up to 512.
+// device, whose SM count the plan reads, with the cut grid segment_chunks (as gdn_fwd takes
+// it). The caller's allocator holds it rounded up to 512.
 int64_t gdn_workspace_bytes(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                            bool backward, bool tapes) {
+                            bool backward, bool tapes, int64_t segment_chunks) {
   constexpr const char* op = "gdn_workspace_bytes";
   TORCH_CHECK(T >= 0 && N >= 1 && H >= 1 && HV >= H && HV % H == 0, op,
               ": needs T >= 0, N >= 1 documents and HV a multiple of H >= 1, got T = ", T, ", N = ", N, ", H = ", H,
               ", HV = ", HV);
+  TORCH_CHECK(segment_chunks >= -1 && segment_chunks <= (1 << 20), op, ": segment_chunks must be -1 (the plan's "
+              "choice), 0 (uncut) or a cut grid in chunks, got ", segment_chunks);
   int sm_count = 0;
   const cudaError_t err =
       cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device());
   TORCH_CHECK(err == cudaSuccess, op, ": cannot read the SM count: ", cudaGetErrorString(err));
-  const GdnPlan plan = backward ? gdn_bwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, -1, -1, -1,
+  const int grid = static_cast<int>(segment_chunks);
+  const GdnPlan plan = backward ? gdn_bwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, grid, -1, -1,
                                                     tapes)
-                                : gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, -1, -1, tapes);
+                                : gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, grid, -1, tapes);
   return plan.ws.bytes;
 }
 
@@ -879,7 +883,7 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "int value_splits=-1) -> (Tensor, Tensor, Tensor tapes)");
   m.def(
       "gdn_workspace_bytes(int T, int N, int H, int HV, bool use_qk_l2norm, bool deterministic, bool backward, "
-      "bool tapes) -> int",
+      "bool tapes, int segment_chunks=-1) -> int",
       &cake::gdn_workspace_bytes);
 }
 

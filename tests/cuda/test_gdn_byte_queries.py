@@ -2,7 +2,7 @@
 backward's peak of requested bytes above what was requested before it (the allocator's
 ``requested_bytes``, which its block rounding does not blur) is the workspace plus the
 outputs, for light and full save modes, with and without the L2 norm, deterministic and
-not, one head slice and two."""
+not, one head slice and two, the plan's cut grid and a forced one."""
 
 import pytest
 import torch
@@ -29,7 +29,9 @@ def _bytes(tensors) -> int:
                          ids=["small", "s32k_h16"])
 @pytest.mark.parametrize("save_mode", ["light", "full"])
 @pytest.mark.parametrize("use_qk_l2norm, deterministic", [(True, True), (False, False)])
-def test_workspace_bytes_are_the_allocator_peak(lengths, H, G, save_mode, use_qk_l2norm, deterministic):
+@pytest.mark.parametrize("segment_chunks", [-1, 16])
+def test_workspace_bytes_are_the_allocator_peak(lengths, H, G, save_mode, use_qk_l2norm, deterministic,
+                                                segment_chunks):
     from cake_ops import build
 
     ops = build.load()
@@ -38,15 +40,15 @@ def test_workspace_bytes_are_the_allocator_peak(lengths, H, G, save_mode, use_qk
     args = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"], None, 128**-0.5, use_qk_l2norm,
             deterministic)
     fwd = ops.gdn_fwd_full if save_mode == "full" else ops.gdn_fwd
-    peak, out = _peak_above(lambda: fwd(*args))
+    peak, out = _peak_above(lambda: fwd(*args, segment_chunks))
     ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
-                                      save_mode=save_mode)
+                                      save_mode=save_mode, segment_chunks=segment_chunks)
     assert peak == ws + _bytes(out), (peak, ws, [t.shape for t in out])
     tapes = out[2] if save_mode == "full" else None
     do = torch.randn_like(inp["v"])
-    peak, grads = _peak_above(lambda: ops.gdn_bwd(do, None, *args, -1, -1, -1, tapes))
+    peak, grads = _peak_above(lambda: ops.gdn_bwd(do, None, *args, segment_chunks, -1, -1, tapes))
     ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
-                                      save_mode=save_mode, direction="backward")
+                                      save_mode=save_mode, direction="backward", segment_chunks=segment_chunks)
     assert peak == ws + _bytes(grads), (peak, ws, [t.shape for t in grads])
 
 

@@ -27,27 +27,37 @@ def _case(rank, world, layout, lengths, H, HV, seed, single):
     ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout=layout, device="cuda")
     do, dht, refs, ht64 = single
 
-    def run(save_mode="light", exchange="a2a", save_transfer=True):
+    def run(save_mode="light", exchange="a2a", save_transfer=True, segments=None):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in NAMES[:5]]
         h0 = inp["initial_state"].clone().requires_grad_(True)
         o, ht = gdn_kcp(*local, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
-                        save_mode=save_mode, exchange=exchange, save_transfer=save_transfer)
+                        save_mode=save_mode, exchange=exchange, save_transfer=save_transfer, segments=segments)
         grads = torch.autograd.grad((o, ht), local + [h0], (ctx.shard(do), dht if rank == 0 else torch.zeros_like(dht)))
         return [o, ht, *grads]
 
+    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta")
+
+    def check(got, where, label=""):
+        for name, g_, r_ in zip(names, got, refs):
+            acc = accuracy(g_, r_ if name == "final_state" else ctx.shard(r_))
+            record_accuracy(f"kcp {name} vs single GPU{label}", acc)
+            assert acc.ok, (name, where, acc)
+        dh0 = got[7].clone()
+        dist.all_reduce(dh0)
+        acc = accuracy(dh0, refs[7])
+        record_accuracy(f"kcp dh0 vs single GPU{label}", acc)
+        assert acc.ok, ("dh0", where, acc)
+        assert accuracy(got[1], ht64).ok, where
+
     got = run()
     where = f"layout {layout}, lengths {lengths}, rank {rank}/{world}"
-    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta")
-    for name, g_, r_ in zip(names, got, refs):
-        acc = accuracy(g_, r_ if name == "final_state" else ctx.shard(r_))
-        record_accuracy(f"kcp {name} vs single GPU", acc)
-        assert acc.ok, (name, where, acc)
-    dh0 = got[7].clone()
-    dist.all_reduce(dh0)
-    acc = accuracy(dh0, refs[7])
-    record_accuracy("kcp dh0 vs single GPU", acc)
-    assert acc.ok, ("dh0", where, acc)
-    assert accuracy(got[1], ht64).ok, where
+    check(got, where)
+    # A forced cut grid (segments): other fp32 chains, so other bits, within the contract;
+    # bitwise on a repeat.
+    for P in (1, 3):
+        cut = run(segments=P)
+        check(cut, f"{where}, segments={P}", ", segments")
+        assert all(torch.equal(a, b) for a, b in zip(cut, run(segments=P))), f"segments={P} not bitwise ({where})"
     for a, b in zip(got, run()):
         assert torch.equal(a, b), f"not bitwise on a repeat ({where})"
     for form in (("full",), ("light", "a2a", False), ("light", "ring", False)):
@@ -102,20 +112,23 @@ class _CakeCalls(TorchDispatchMode):
                 q, g, cu, l2, det = args[0], args[3], args[5], args[8], args[9]
                 form = ("full" if name == "cake::gdn_fwd_full" else "light",
                         "final_state" if name == "cake::gdn_fwd_final_state" else "forward")
+            names = [a.name for a in func._schema.arguments]
+            at = names.index("segment_chunks")
+            grid = (kwargs or {}).get("segment_chunks", args[at] if len(args) > at else -1)
             self.bytes.append((form[1], cake_ops.gdn_workspace_bytes(
                 q.shape[0], cu.shape[0] - 1, q.shape[1], g.shape[1], use_qk_l2norm=l2, deterministic=det,
-                save_mode=form[0], direction=form[1])))
+                save_mode=form[0], direction=form[1], segment_chunks=grid)))
         return func(*args, **(kwargs or {}))
 
 
 def _workspace_case(rank, world, lengths, H, HV):
     inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=5)
     ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout="D", device="cuda")
-    for save_mode in ("light", "full"):
+    for save_mode, segments in (("light", None), ("full", None), ("light", 2)):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in NAMES[:5]]
         calls = _CakeCalls()
         with calls:
-            o, _ = gdn_kcp(*local, ctx, use_qk_l2norm=True, save_mode=save_mode)
+            o, _ = gdn_kcp(*local, ctx, use_qk_l2norm=True, save_mode=save_mode, segments=segments)
             forward = list(calls.bytes)
             torch.autograd.grad(o, local, torch.ones_like(o))
         backward = calls.bytes[len(forward):]
@@ -126,7 +139,8 @@ def _workspace_case(rank, world, lengths, H, HV):
         assert [d for d, _ in forward].count("forward") == walks and [d for d, _ in backward].count("backward") == walks
         for direction, recorded in (("forward", forward), ("backward", backward)):
             want = max(b for _, b in recorded)
-            got = kcp_workspace_bytes(ctx, H, HV, use_qk_l2norm=True, save_mode=save_mode, direction=direction)
+            got = kcp_workspace_bytes(ctx, H, HV, use_qk_l2norm=True, save_mode=save_mode, direction=direction,
+                                      segments=segments)
             assert got == want, (rank, save_mode, direction, got, recorded)
 
 

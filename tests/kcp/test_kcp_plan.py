@@ -63,6 +63,11 @@ def test_kcp_errors_name_the_argument(one_rank_group):
         gdn_kcp(q, q, v, g, b, ctx, initial_state=torch.zeros(3, 1, 8, 8))
     with pytest.raises(ValueError, match="save_mode"):
         gdn_kcp(q, q, v, g, b, ctx, save_mode="some")
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="segments must be None .* or an int >= 1"):
+            gdn_kcp(q, q, v, g, b, ctx, segments=bad)
+    # The PyTorch path walks uncut whatever the grid: segments changes nothing there.
+    assert torch.equal(gdn_kcp(q, q, v, g, b, ctx, segments=2)[0], gdn_kcp(q, q, v, g, b, ctx)[0])
     with pytest.raises(ValueError, match="exchange must be one of"):
         gdn_kcp(q, q, v, g, b, ctx, exchange="tree")
     with pytest.raises(ValueError, match="exchange='ring' requires save_transfer=False"):

@@ -57,6 +57,8 @@ def test_workspace_bytes_refuses_bad_options():
         cake_ops.gdn_workspace_bytes(64, 1, 1, 1, direction="sideways")
     with pytest.raises(ValueError, match="save_mode"):
         cake_ops.gdn_workspace_bytes(64, 1, 1, 1, save_mode="heavy")
+    with pytest.raises(ValueError, match="segment_chunks must be -1"):
+        cake_ops.gdn_workspace_bytes(64, 1, 1, 1, segment_chunks=-2)
     if not torch.cuda.is_available():
         with pytest.raises(RuntimeError, match="needs the CUDA kernels"):
             cake_ops.gdn_workspace_bytes(64, 1, 1, 1)

@@ -48,6 +48,7 @@ def test_opcheck_gdn_fwd(device, initial_state, op):
         if args[n] is not None:
             args[n] = args[n].requires_grad_()
     torch.library.opcheck(getattr(torch.ops.cake, op).default, args)
+    torch.library.opcheck(getattr(torch.ops.cake, op).default, args, {"segment_chunks": 1})  # a forced cut grid
 
 
 @pytest.mark.parametrize("device", DEVICES)
