@@ -92,7 +92,7 @@ GdnShapes check_gdn_inputs(const char* op, const at::Tensor& q, const at::Tensor
 // one allocation laid out by the plan: one allocator call instead of ten on the host path
 // of every call.
 struct GdnFwdCall {
-  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, workspace;
+  at::Tensor q, k, v, g, beta, cu, h0, o, final_state, workspace, doc_flags;
   at::Tensor chunks;  // the per-chunk block, where the plan has it apart (the full save mode)
   GdnPlan plan;
   GdnFwdArgs args{};
@@ -104,7 +104,8 @@ struct GdnFwdCall {
 GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::Tensor& k, const at::Tensor* v,
                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
                            const std::optional<at::Tensor>& initial_state, double scale, bool outputs = true,
-                           const at::Tensor* chunks = nullptr) {
+                           const at::Tensor* chunks = nullptr,
+                           const std::optional<at::Tensor>& doc_flags = std::nullopt) {
   GdnFwdCall c;
   c.plan = plan;
   c.q = dense16(q);
@@ -135,6 +136,10 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
   a.o = c.o.defined() ? c.o.data_ptr() : nullptr;
   a.final_state = c.final_state.defined() ? c.final_state.data_ptr<float>() : nullptr;
   a.scale = static_cast<float>(scale);
+  if (doc_flags) {
+    c.doc_flags = *doc_flags;
+    a.doc_flags = c.doc_flags.data_ptr<uint8_t>();
+  }
   gdn_fwd_apply_plan(plan, c.workspace.data_ptr(), a, c.chunks.defined() ? c.chunks.data_ptr() : nullptr);
   return c;
 }
@@ -148,7 +153,8 @@ GdnFwdCall prepare_gdn_fwd(const GdnPlan& plan, const at::Tensor& q, const at::T
 GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor& q,
                             const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
                             bool deterministic, int64_t segment_chunks, int64_t value_splits, bool backward,
-                            int64_t head_slices = -1, bool tapes = false) {
+                            int64_t head_slices = -1, bool tapes = false,
+                            const std::optional<at::Tensor>& doc_flags = std::nullopt) {
   // Part of the eligibility rule (cake_ops/dispatch.py): the walk takes log2(scale).
   TORCH_CHECK(std::isfinite(scale) && scale > 0, op, ": scale must be finite and > 0, got ", scale);
   if (initial_state) {
@@ -168,12 +174,25 @@ GdnPlan check_and_plan_walk(const char* op, const GdnShapes& s, const at::Tensor
   TORCH_CHECK(err == cudaSuccess, op, ": cannot read the SM count: ", cudaGetErrorString(err));
   TORCH_CHECK(head_slices == -1 || (head_slices >= 1 && s.H % head_slices == 0), op,
               ": head_slices must be -1 (the plan's choice) or a divisor of q's heads H = ", s.H, ", got ", head_slices);
-  if (!backward)
-    return gdn_fwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
-                             static_cast<int>(segment_chunks), static_cast<int>(value_splits), tapes);
-  return gdn_bwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
-                           static_cast<int>(segment_chunks), static_cast<int>(value_splits),
-                           static_cast<int>(head_slices), tapes);
+  if (doc_flags) {
+    TORCH_CHECK(doc_flags->dim() == 1 && doc_flags->numel() == s.N && doc_flags->scalar_type() == at::kByte &&
+                    doc_flags->is_contiguous(),
+                op, ": doc_flags must be a contiguous uint8 [N] = [", s.N, "] tensor, got ", doc_flags->scalar_type(),
+                " ", doc_flags->sizes());
+    check_same_device(*doc_flags, q, op, "doc_flags", "q");
+  }
+  const GdnPlan plan =
+      !backward ? gdn_fwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
+                                    static_cast<int>(segment_chunks), static_cast<int>(value_splits), tapes,
+                                    doc_flags.has_value())
+                : gdn_bwd_make_plan(s.T, s.N, s.H, s.HV, use_qk_l2norm, deterministic, sm_count,
+                                    static_cast<int>(segment_chunks), static_cast<int>(value_splits),
+                                    static_cast<int>(head_slices), tapes, doc_flags.has_value());
+  // The empty segments of doc_flags are segments of the cut grid: an uncut plan has no
+  // summaries or chain to put them in.
+  TORCH_CHECK(!doc_flags || plan.seg_chunks > 0, op, ": doc_flags needs a cut plan (deterministic=True, or "
+              "segment_chunks > 0); this call's plan is uncut");
+  return plan;
 }
 
 // One stage's launches under a profiler range named after the op and the stage
@@ -209,12 +228,13 @@ constexpr FwdStage kFwdStages[] = {
 GdnFwdCall run_gdn_fwd(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                        const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
                        const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
-                       bool deterministic, int64_t segment_chunks, int64_t value_splits, bool keep_tapes) {
+                       bool deterministic, int64_t segment_chunks, int64_t value_splits, bool keep_tapes,
+                       const std::optional<at::Tensor>& doc_flags) {
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/false, 1, keep_tapes);
-  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale);
+                                           segment_chunks, value_splits, /*backward=*/false, 1, keep_tapes, doc_flags);
+  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, true, nullptr, doc_flags);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   for (const FwdStage& stage : kFwdStages)
     launch_stage(op, keep_tapes ? stage.range_full : stage.range, stage.launch, c.args, stream);
@@ -225,9 +245,9 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
                                            const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                            const std::optional<at::Tensor>& initial_state, double scale,
                                            bool use_qk_l2norm, bool deterministic, int64_t segment_chunks,
-                                           int64_t value_splits) {
+                                           int64_t value_splits, const std::optional<at::Tensor>& doc_flags) {
   const GdnFwdCall c = run_gdn_fwd("gdn_fwd", q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                   deterministic, segment_chunks, value_splits, /*keep_tapes=*/false);
+                                   deterministic, segment_chunks, value_splits, /*keep_tapes=*/false, doc_flags);
   return {c.o, c.final_state};
 }
 
@@ -235,9 +255,10 @@ std::tuple<at::Tensor, at::Tensor> gdn_fwd(const at::Tensor& q, const at::Tensor
 std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_full(
     const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta,
     const at::Tensor& cu_seqlens, const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
-    bool deterministic, int64_t segment_chunks, int64_t value_splits) {
+    bool deterministic, int64_t segment_chunks, int64_t value_splits, const std::optional<at::Tensor>& doc_flags) {
   const GdnFwdCall c = run_gdn_fwd("gdn_fwd_full", q, k, v, g, beta, cu_seqlens, initial_state, scale,
-                                   use_qk_l2norm, deterministic, segment_chunks, value_splits, /*keep_tapes=*/true);
+                                   use_qk_l2norm, deterministic, segment_chunks, value_splits, /*keep_tapes=*/true,
+                                   doc_flags);
   return {c.o, c.final_state, c.chunks};
 }
 
@@ -654,6 +675,7 @@ GdnBwdWalkArgs reverse_walk_args(const GdnPlan& plan, const GdnFwdArgs& f, unsig
   r.seg_chunks = f.seg_chunks;
   r.seg_long_max = f.seg_long_max;
   r.inner_slots = plan.inner_slots;
+  r.doc_flags = f.doc_flags;
   set_stage_shapes(r, f, scale);
   r.value_splits = f.walk_splits;
   r.summary_splits = f.summary_splits;
@@ -693,7 +715,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q, const at::Tensor& k,
     const at::Tensor& v, const at::Tensor& g, const at::Tensor& beta, const at::Tensor& cu_seqlens,
     const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm, bool deterministic,
-    int64_t segment_chunks, int64_t value_splits, int64_t head_slices, const std::optional<at::Tensor>& tapes) {
+    int64_t segment_chunks, int64_t value_splits, int64_t head_slices, const std::optional<at::Tensor>& tapes,
+    const std::optional<at::Tensor>& doc_flags) {
   constexpr const char* op = "gdn_bwd";
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
@@ -709,9 +732,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   }
   const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
                                            segment_chunks, value_splits, /*backward=*/true, head_slices,
-                                           tapes.has_value());
+                                           tapes.has_value(), doc_flags);
   const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false,
-                                       tapes ? &*tapes : nullptr);
+                                       tapes ? &*tapes : nullptr, doc_flags);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor dout_c = dense16(dout);
   const at::Tensor dht_c = dht ? dht->contiguous() : at::Tensor();
@@ -773,6 +796,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     l.dbeta = heads_on(dbeta.data_ptr(), hv0, 1, beta_bytes);
     set_stage_shapes(l, f, scale);
     l.use_qk_l2norm = use_qk_l2norm;
+    l.doc_flags = f.doc_flags;
     launch_stage(op, "cake::gdn_bwd/local", gdn_bwd_local_launch, l, stream);
   }
   return {dq, dk, dv, dg, dbeta, dh0};
@@ -822,7 +846,7 @@ at::Tensor gdn_bwd_initial_state(const at::Tensor& dout, const std::optional<at:
 // device, whose SM count the plan reads, with the cut grid segment_chunks (as gdn_fwd takes
 // it). The caller's allocator holds it rounded up to 512.
 int64_t gdn_workspace_bytes(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                            bool backward, bool tapes, int64_t segment_chunks) {
+                            bool backward, bool tapes, int64_t segment_chunks, bool doc_flags) {
   constexpr const char* op = "gdn_workspace_bytes";
   TORCH_CHECK(T >= 0 && N >= 1 && H >= 1 && HV >= H && HV % H == 0, op,
               ": needs T >= 0, N >= 1 documents and HV a multiple of H >= 1, got T = ", T, ", N = ", N, ", H = ", H,
@@ -834,9 +858,9 @@ int64_t gdn_workspace_bytes(int64_t T, int64_t N, int64_t H, int64_t HV, bool us
       cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, c10::cuda::current_device());
   TORCH_CHECK(err == cudaSuccess, op, ": cannot read the SM count: ", cudaGetErrorString(err));
   const int grid = static_cast<int>(segment_chunks);
-  const GdnPlan plan = backward ? gdn_bwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, grid, -1, -1,
-                                                    tapes)
-                                : gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, grid, -1, tapes);
+  const GdnPlan plan =
+      backward ? gdn_bwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, grid, -1, -1, tapes, doc_flags)
+               : gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, grid, -1, tapes, doc_flags);
   return plan.ws.bytes;
 }
 
@@ -847,7 +871,7 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_fwd(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1) "
+      "int value_splits=-1, Tensor? doc_flags=None) "
       "-> (Tensor, Tensor)");
   m.def(
       "gdn_fwd_prep(Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, bool use_qk_l2norm) "
@@ -868,8 +892,8 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_bwd(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1, int head_slices=-1, Tensor? tapes=None) -> (Tensor dq, Tensor dk, Tensor dv, Tensor dg, "
-      "Tensor dbeta, Tensor dh0)");
+      "int value_splits=-1, int head_slices=-1, Tensor? tapes=None, Tensor? doc_flags=None) -> (Tensor dq, "
+      "Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dh0)");
   m.def(
       "gdn_bwd_initial_state(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, int value_splits=-1) -> Tensor");
@@ -880,10 +904,10 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1) -> (Tensor, Tensor, Tensor tapes)");
+      "int value_splits=-1, Tensor? doc_flags=None) -> (Tensor, Tensor, Tensor tapes)");
   m.def(
       "gdn_workspace_bytes(int T, int N, int H, int HV, bool use_qk_l2norm, bool deterministic, bool backward, "
-      "bool tapes, int segment_chunks=-1) -> int",
+      "bool tapes, int segment_chunks=-1, bool doc_flags=False) -> int",
       &cake::gdn_workspace_bytes);
 }
 

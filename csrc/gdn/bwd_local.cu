@@ -420,8 +420,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int G = static_cast<int>(p.HV / p.H);
   const float scale = p.scale;
   // dg's term e^gl <dS_end, S> where a factor is an fp32 input (see the sum below).
-  const bool exact_h0 = p.initial_state != nullptr && slot == p.chunk_offsets[pos.doc];
-  const bool exact_dht = p.dht != nullptr && slot == p.chunk_offsets[pos.doc + 1] - 1;
+  const uint8_t flags = p.doc_flags != nullptr ? p.doc_flags[pos.doc] : 0;
+  const bool exact_h0 =
+      p.initial_state != nullptr && slot == p.chunk_offsets[pos.doc] && !(flags & kGdnOpensInside);
+  const bool exact_dht =
+      p.dht != nullptr && slot == p.chunk_offsets[pos.doc + 1] - 1 && !(flags & kGdnClosesInside);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int gid = lane >> 2, t4 = lane & 3;

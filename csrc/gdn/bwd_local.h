@@ -63,6 +63,10 @@ struct GdnBwdLocalArgs {
   int64_t H_stride, HV_stride;  // heads per token row of the tensors (GdnFwdCoreArgs)
   float scale;
   bool use_qk_l2norm;
+  // The forward's (gdn.h), or nullptr: a document that opens (closes) inside a longer one
+  // takes dg's cross-chunk term at its first (last) chunk from the bf16 tape, as that
+  // longer document's call would, not from the fp32 initial state (dht).
+  const uint8_t* doc_flags;
 };
 
 cudaError_t gdn_bwd_local_launch(const GdnBwdLocalArgs& args, cudaStream_t stream);

@@ -88,6 +88,7 @@ struct GdnBwdWalkArgs {
   // Only each document's first segment walked back (gdn_bwd_initial_state: dh0 alone; the
   // summaries and the chain as always): the other segments write no dS tape and no dv_new.
   bool first_segments_only;
+  const uint8_t* doc_flags;  // the forward's (gdn.h), or nullptr
 };
 
 // Summaries, chain, tape walk (bwd_chain.cu).

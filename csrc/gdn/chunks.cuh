@@ -39,8 +39,15 @@ __host__ __device__ inline int doc_cut_chunks(int chunks, int seg_chunks, int lo
   return seg_chunks > 1 && chunks >= 4 * seg_chunks && chunks <= long_max ? seg_chunks / 2 : seg_chunks;
 }
 
+// The empty segments a document's doc_flags (gdn.h) add: one before its segments where it
+// opens inside a longer document, one after where it closes inside.
+__host__ __device__ inline int empty_segments(uint8_t flags) {
+  return ((flags & kGdnOpensInside) ? 1 : 0) + ((flags & kGdnClosesInside) ? 1 : 0);
+}
+
 // A segment of a document's walk: chunks c0 .. c0 + nch - 1 of document doc, its index
-// seg of nseg (seg_offsets: see gdn.h; seg_chunks = 0 means one segment a document).
+// seg of nseg (seg_offsets: see gdn.h; seg_chunks = 0 means one segment a document; the
+// empty segments of doc_flags have nch = 0, c0 = 0 before the others, c0 = chunks after).
 struct SegmentPos {
   int64_t doc;
   int seg, nseg;
@@ -62,7 +69,8 @@ __device__ __forceinline__ int64_t inner_segment_slot(const int32_t* seg_offsets
 
 // The segment in `slot` (< seg_offsets[N]).
 __device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, CuSeqlens cu, int64_t N,
-                                                   int seg_chunks, int long_max, int64_t slot) {
+                                                   int seg_chunks, int long_max, const uint8_t* doc_flags,
+                                                   int64_t slot) {
   SegmentPos s;
   s.doc = find_document(seg_offsets, N, slot);
   const int32_t first = seg_offsets[s.doc];
@@ -72,7 +80,14 @@ __device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, C
   s.doc_end = cu[s.doc + 1];
   const int chunks = s.doc_end > s.doc_start ? static_cast<int>((s.doc_end - s.doc_start + kGdnChunk - 1) / kGdnChunk) : 0;
   const int grid = doc_cut_chunks(chunks, seg_chunks, long_max);
-  s.c0 = grid > 0 ? s.seg * grid : 0;
+  const uint8_t flags = doc_flags != nullptr ? doc_flags[s.doc] : 0;
+  const int real = s.seg - ((flags & kGdnOpensInside) ? 1 : 0);  // the segment's index among the real ones
+  if (real < 0 || real >= s.nseg - empty_segments(flags)) {  // an empty segment of doc_flags
+    s.c0 = real < 0 ? 0 : chunks;
+    s.nch = 0;
+    return s;
+  }
+  s.c0 = grid > 0 ? real * grid : 0;
   s.nch = grid > 0 ? min(grid, chunks - s.c0) : chunks;
   return s;
 }

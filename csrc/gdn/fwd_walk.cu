@@ -205,8 +205,9 @@ template <WalkMode kMode>
 cudaError_t launch_walk(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   const int finest = gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max);
-  const int64_t items =
-      walks_cuts(kMode) ? gdn_fwd_inner_segment_slots(p.T, finest) : gdn_fwd_segment_slots(p.T, p.N, finest);
+  const bool flags = p.doc_flags != nullptr;
+  const int64_t items = walks_cuts(kMode) ? gdn_fwd_inner_segment_slots(p.T, finest, p.N, flags)
+                                          : gdn_fwd_segment_slots(p.T, p.N, finest, flags);
   const int splits = walks_cuts(kMode) ? p.summary_splits : p.walk_splits;
   return splits == 2 ? launch_walk_ctas<kMode, 1>(p, items, stream) : launch_walk_ctas<kMode, 2>(p, items, stream);
 }
@@ -249,6 +250,7 @@ GdnFwdArgs reverse_walk_args(const GdnBwdWalkArgs& r) {
   p.scale = r.scale;
   p.use_qk_l2norm = r.qk_lrn != nullptr;
   p.walk_segments = r.first_segments_only ? kGdnWalkFirst : kGdnWalkAll;
+  p.doc_flags = r.doc_flags;
   return p;
 }
 

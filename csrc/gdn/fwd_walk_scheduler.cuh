@@ -75,7 +75,8 @@ __device__ __forceinline__ Walk find_reverse_summary(const GdnFwdCoreArgs& p, in
   if (i >= p.seg_offsets[p.N] - p.N) return w;
   const int64_t slot = inner_segment_slot(p.seg_offsets, p.N, i);
   const SegmentPos sp =
-      find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max, slot + 1);
+      find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max,
+                   p.doc_flags, slot + 1);
   const int64_t first_slot = p.chunk_offsets[sp.doc] + sp.c0;
   const int window = window_chunks(p.chunk_decay + first_slot * p.HV + hv, p.HV, sp.nch);
   if (w.transfer && window > 0) return w;  // a truncated cut needs no transfer
@@ -111,7 +112,8 @@ __device__ __forceinline__ Walk find_walk(const GdnFwdCoreArgs& p, int64_t index
   if (item >= p.seg_offsets[p.N] - (kSegmentWalk ? 0 : p.N)) return w;
   const int64_t slot = kSegmentWalk ? item : inner_segment_slot(p.seg_offsets, p.N, item);
   const SegmentPos sp =
-      find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max, slot);
+      find_segment(p.seg_offsets, CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.seg_chunks, p.seg_long_max,
+                   p.doc_flags, slot);
   if (w.transfer && sp.seg == 0) return w;
   if constexpr (kSegmentWalk) {  // a call that needs only the first or the last segments' ends
     if ((p.walk_segments == kGdnWalkFirst && sp.seg != 0) ||

@@ -137,8 +137,19 @@ struct GdnFwdCoreArgs {
   // padding after use_qk_l2norm: the struct's size, and so the walk kernel's parameter
   // layout, is unchanged.
   uint8_t walk_segments;
+  // Per document (nullptr: none), where the call's document is a piece of a longer one
+  // cut on its grid (deterministic KCP: docs/kcp.md): kGdnOpensInside, the piece starts
+  // inside its document, so the plan puts an empty segment before its segments (walked
+  // from the initial state, it makes the initial state the first real segment's chained
+  // start, and its reverse walk makes dh0 that segment's chained start gradient);
+  // kGdnClosesInside, the piece ends inside, so an empty segment follows its segments
+  // (the last real one is then summarised and chained, and the final state is the chained
+  // start of what follows; its reverse summary, F = 0 and M^T = I, makes dht the last
+  // real segment's end gradient). Needs a cut plan (seg_chunks > 0).
+  const uint8_t* doc_flags;
 };
 constexpr uint8_t kGdnWalkAll = 0, kGdnWalkFirst = 1, kGdnWalkLast = 2;
+constexpr uint8_t kGdnOpensInside = 1, kGdnClosesInside = 2;
 
 // GdnFwdCoreArgs plus what only the backward's recompute (gdn_bwd_tapes_launch) writes;
 // nullptr in the forward. The walk kernel takes the core by value and the tapes as a

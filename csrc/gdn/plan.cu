@@ -46,11 +46,12 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
 
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
 // of max(1, ceil(chunks_m / grid_m)), grid_m = doc_cut_chunks(chunks_m, ...) (one segment
-// per document when seg_chunks = 0);
+// per document when seg_chunks = 0), plus the empty segments of doc_flags (gdn.h);
 // chain_docs (chain_slots entries, see gdn.h): the documents with >= 3 segments in
 // order, then -1; walk_queue (if cut): 0, the summaries' first walk.
 __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_t N, int64_t T, int seg_chunks,
-                                                            int long_max, int32_t* chunk_offsets, int32_t* seg_offsets,
+                                                            int long_max, const uint8_t* doc_flags,
+                                                            int32_t* chunk_offsets, int32_t* seg_offsets,
                                                             int32_t* chain_docs, int32_t chain_slots,
                                                             int32_t* walk_queue) {
   __shared__ int32_t warp_sums[3][32];
@@ -68,6 +69,7 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
       chunks = len > 0 ? static_cast<int32_t>((len + kGdnChunk - 1) / kGdnChunk) : 0;
       const int grid = doc_cut_chunks(chunks, seg_chunks, long_max);
       segs = grid > 0 ? max(1, (chunks + grid - 1) / grid) : 1;
+      if (doc_flags != nullptr) segs += empty_segments(doc_flags[n]);
     }
     const int32_t chained = segs >= 3 ? 1 : 0;
     int32_t chunk_total, seg_total, chain_total;
@@ -118,10 +120,10 @@ struct Carve {
 
 cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
   if (p.N <= 0) return cudaSuccess;
-  gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.T, p.seg_chunks,
-                                              p.seg_long_max, p.chunk_offsets, p.seg_offsets, p.chain_docs,
-                                              static_cast<int32_t>(gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks)),
-                                              p.walk_queue);
+  gdn_fwd_plan_kernel<<<1, 1024, 0, stream>>>(
+      CuSeqlens{p.cu_seqlens, p.cu_int64}, p.N, p.T, p.seg_chunks, p.seg_long_max, p.doc_flags, p.chunk_offsets,
+      p.seg_offsets, p.chain_docs,
+      static_cast<int32_t>(gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks, p.doc_flags != nullptr)), p.walk_queue);
   return cudaGetLastError();
 }
 
@@ -183,9 +185,10 @@ namespace {
 // The per-chunk block has the tapes when with_tapes, and lives apart from the workspace
 // when chunks_apart.
 GdnPlan plan_for_grid(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, int sm_count, int seg_chunks,
-                      int seg_long_max, int value_splits, bool with_tapes, bool chunks_apart) {
+                      int seg_long_max, int value_splits, bool with_tapes, bool chunks_apart, bool doc_flags) {
   GdnPlan p{};
   p.chunks_apart = chunks_apart;
+  p.doc_flags = doc_flags;
   p.T = T;
   p.N = N;
   p.H = H;
@@ -200,9 +203,10 @@ GdnPlan plan_for_grid(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l
 
   p.chunk_slots = gdn_fwd_chunk_slots(T, N);
   // Inner segment slots (the segments that are not their document's last): the seg_ workspaces.
-  p.inner_slots =
-      p.seg_chunks > 0 ? gdn_fwd_inner_segment_slots(T, gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max)) : 0;
-  p.chain_slots = gdn_fwd_chain_doc_slots(T, N, p.seg_chunks);
+  p.inner_slots = p.seg_chunks > 0 ? gdn_fwd_inner_segment_slots(
+                                         T, gdn_fwd_finest_cut_chunks(p.seg_chunks, p.seg_long_max), N, doc_flags)
+                                   : 0;
+  p.chain_slots = gdn_fwd_chain_doc_slots(T, N, p.seg_chunks, doc_flags);
   const int64_t NI = p.inner_slots;
   constexpr int64_t kMatBytes = kGdnHeadDim * kGdnHeadDim * 4;
   Carve c;
@@ -239,22 +243,25 @@ GdnChunkLayout gdn_chunk_layout(int64_t T, int64_t N, int64_t H, int64_t HV, boo
 }
 
 GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks, int value_splits, bool keep_tapes) {
+                          int sm_count, int segment_chunks, int value_splits, bool keep_tapes, bool doc_flags) {
   const int seg_chunks =
       segment_chunks >= 0 ? segment_chunks : gdn_fwd_choose_segment_chunks(T, N, HV, deterministic, sm_count);
   // An explicit grid (tests, sweeps) cuts every document alike.
   const int seg_long_max = segment_chunks >= 0 ? 0 : gdn_fwd_choose_segment_long_max(HV, deterministic);
   return plan_for_grid(T, N, H, HV, use_qk_l2norm, sm_count, seg_chunks, seg_long_max, value_splits, keep_tapes,
-                       keep_tapes);
+                       keep_tapes, doc_flags);
 }
 
 GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks, int value_splits, int head_slices, bool kept_tapes) {
+                          int sm_count, int segment_chunks, int value_splits, int head_slices, bool kept_tapes,
+                          bool doc_flags) {
   // The forward's grid, chosen for all HV heads (so a slice walks as the forward did).
-  const GdnPlan whole = gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, segment_chunks, 1);
+  const GdnPlan whole =
+      gdn_fwd_make_plan(T, N, H, HV, use_qk_l2norm, deterministic, sm_count, segment_chunks, 1, false, doc_flags);
   auto sliced = [&](int slices) {
     GdnPlan p = plan_for_grid(T, N, H / slices, HV / slices, use_qk_l2norm, sm_count, whole.seg_chunks,
-                              whole.seg_long_max, value_splits, /*with_tapes=*/true, /*chunks_apart=*/kept_tapes);
+                              whole.seg_long_max, value_splits, /*with_tapes=*/true, /*chunks_apart=*/kept_tapes,
+                              doc_flags);
     p.head_slices = slices;
     p.backward = true;
     constexpr int64_t kStateTile = kGdnHeadDim * kGdnHeadDim * 2;

@@ -19,15 +19,20 @@ inline int64_t gdn_fwd_chunk_slots(int64_t T, int64_t N) { return (T + kGdnChunk
 
 // Segment slots: document n has max(1, ceil(chunks_n / seg_chunks)) <= chunks_n /
 // seg_chunks + 1 segments (an empty one has one, of no chunks, which writes its final
-// state), and sum chunks_n <= NC; so NC / seg_chunks + N bounds the total.
-inline int64_t gdn_fwd_segment_slots(int64_t T, int64_t N, int seg_chunks) {
-  return seg_chunks > 0 ? (gdn_fwd_chunk_slots(T, N) + seg_chunks - 1) / seg_chunks + N : N;
+// state), and sum chunks_n <= NC; so NC / seg_chunks + N bounds the total. With
+// doc_flags (gdn.h), up to two empty segments more a document.
+inline int64_t gdn_fwd_segment_slots(int64_t T, int64_t N, int seg_chunks, bool doc_flags = false) {
+  return (seg_chunks > 0 ? (gdn_fwd_chunk_slots(T, N) + seg_chunks - 1) / seg_chunks + N : N) +
+         (doc_flags ? 2 * N : 0);
 }
 
 // Segments that are not their document's last (the ones with summaries): sum over n of
-// (segments_n - 1) <= sum floor((chunks_n - 1) / seg_chunks) <= (ceil(T / 64) - 1) / seg_chunks.
-inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks) {
-  return seg_chunks > 0 && T > 0 ? ((T + kGdnChunk - 1) / kGdnChunk - 1) / seg_chunks : 0;
+// (segments_n - 1) <= sum floor((chunks_n - 1) / seg_chunks) <= (ceil(T / 64) - 1) / seg_chunks;
+// with doc_flags two more a document (the empty first one, and the last real one before
+// an empty last one).
+inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks, int64_t N = 0, bool doc_flags = false) {
+  return (seg_chunks > 0 && T > 0 ? ((T + kGdnChunk - 1) / kGdnChunk - 1) / seg_chunks : 0) +
+         (seg_chunks > 0 && doc_flags ? 2 * N : 0);
 }
 
 // The finest grid any document is cut at (doc_cut_chunks, chunks.cuh), for the slot bounds above.
@@ -39,7 +44,9 @@ inline int gdn_fwd_finest_cut_chunks(int seg_chunks, int seg_long_max) {
 // chunks (a long one, cut finer, has at least 4 seg_chunks), so more than 128 seg_chunks
 // tokens each. The chain launches a CTA group per such slot, not per document (with many
 // short documents almost all would return).
-inline int64_t gdn_fwd_chain_doc_slots(int64_t T, int64_t N, int seg_chunks) {
+// With doc_flags any document may have 3 (a real one between two empty ones).
+inline int64_t gdn_fwd_chain_doc_slots(int64_t T, int64_t N, int seg_chunks, bool doc_flags = false) {
+  if (seg_chunks > 0 && doc_flags) return N;
   return seg_chunks > 0 ? std::min<int64_t>(N, T / (2 * kGdnChunk * static_cast<int64_t>(seg_chunks) + 1)) : 0;
 }
 
@@ -108,6 +115,7 @@ struct GdnPlan {
   int64_t inner_slots;        // NI: the seg_ workspaces' segments
   int64_t chain_slots;        // ND
   bool backward;              // the layout has the backward's pieces (gdn_bwd_make_plan)
+  bool doc_flags;             // the call passes per-document flags (gdn.h): the slot bounds hold their segments
   bool chunks_apart;          // the per-chunk block is a buffer of its own (the full save mode's)
   GdnWorkspaceLayout ws;
 };
@@ -121,7 +129,8 @@ struct GdnPlan {
 // mode): the per-chunk block, with the tapes, lives apart from the workspace, for the
 // backward to read.
 GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
-                          int sm_count, int segment_chunks = -1, int value_splits = -1, bool keep_tapes = false);
+                          int sm_count, int segment_chunks = -1, int value_splits = -1, bool keep_tapes = false,
+                          bool doc_flags = false);
 
 // The backward runs its stages on one head slice at a time: H / head_slices q/k heads
 // and their value heads, in one workspace of that slice's size (docs/kernels.md,
@@ -146,7 +155,7 @@ int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int 
 // slice, and the workspace holds the rest.
 GdnPlan gdn_bwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
                           int sm_count, int segment_chunks = -1, int value_splits = -1, int head_slices = -1,
-                          bool kept_tapes = false);
+                          bool kept_tapes = false, bool doc_flags = false);
 
 // Sets args' plan fields (seg_chunks, seg_long_max, splits, sm_count, shapes, the heads'
 // row strides) and points its workspace pointers into `workspace` (plan.ws.bytes bytes,

@@ -236,6 +236,70 @@ def test_end_states_alone_are_the_full_calls_bits(ops, gate, segment_chunks, val
     assert torch.equal(dh0, ops.gdn_bwd(do, dht, q, k, v, g, beta, cu, h0, *plan, -1, None)[5])
 
 
+@pytest.mark.parametrize("gate", ["normal", "window4", "slow"], ids=["truncated", "truncated_and_exact", "exact"])
+@pytest.mark.parametrize("segment_chunks, deterministic, split_chunks, value_splits",
+                         [(-1, True, 64, -1), (-1, True, 128, -1), (8, True, 24, 1), (8, False, 8, 2), (2, True, 2, -1)])
+@pytest.mark.parametrize("G", [1, 3])
+def test_doc_flags_pieces_are_the_whole_calls_bits(ops, gate, segment_chunks, deterministic, split_chunks,
+                                                   value_splits, G):
+    """doc_flags (csrc/gdn/gdn.h): a document cut on its grid into a piece that closes
+    inside it (the left call) and one that opens inside it (the right call, from the
+    left's final state) gives bitwise the whole call's outputs and final states, and, the
+    right call walked back first and the left from its dh0, bitwise the whole backward's
+    gradients, light and full save modes; other documents packed beside each piece; grids
+    of the deterministic plan and forced ones, truncated and exact cuts, GVA; NaN-poisoned
+    allocations."""
+    lengths = (700, 13288, 300)  # the middle document (208 chunks) is cut at split_chunks
+    case = GdnCase(f"flags_{gate}", lengths, H=2, G=G, gate="slow" if gate == "slow" else "normal", l2norm=True,
+                   initial_state=True)
+    inp = case.inputs("cuda")
+    if gate == "window4":
+        inp["g"] = torch.full_like(inp["g"], -0.08)
+    do, dht = _grad_inputs(inp, 41)
+    q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    at = lengths[0] + 64 * split_chunks  # the cut, a token row
+    T = sum(lengths)
+    plan = (128**-0.5, True, deterministic, segment_chunks, value_splits)
+
+    def cu(*n):
+        return torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    def flags(*f):
+        return torch.tensor(f, dtype=torch.uint8, device="cuda")
+
+    left, right = slice(0, at), slice(at, T)
+    cu_l, cu_r = cu(lengths[0], at - lengths[0]), cu(lengths[1] - (at - lengths[0]), lengths[2])
+    fl_l, fl_r = flags(0, 2), flags(1, 0)
+    xs = lambda rows: tuple(x[rows] for x in (q, k, v, g, beta))  # noqa: E731
+    whole_o, whole_final = ops.gdn_fwd(q, k, v, g, beta, inp["cu_seqlens"], h0, *plan)
+    whole = ops.gdn_bwd(do, dht, q, k, v, g, beta, inp["cu_seqlens"], h0, *plan, -1, None)
+    for full in (False, True):
+        with poisoned_allocations():
+            fwd = ops.gdn_fwd_full if full else ops.gdn_fwd
+            out_l = fwd(*xs(left), cu_l, h0[:2].contiguous(), *plan, fl_l)
+            h0_r = torch.stack([out_l[1][1], h0[2]])
+            out_r = fwd(*xs(right), cu_r, h0_r, *plan, fl_r)
+            tapes = (out_l[2], out_r[2]) if full else (None, None)
+            grads_r = ops.gdn_bwd(do[right], dht[1:].contiguous(), *xs(right), cu_r, h0_r, *plan, -1, tapes[1], fl_r)
+            dht_l = torch.stack([dht[0], grads_r[5][0]])
+            grads_l = ops.gdn_bwd(do[left], dht_l, *xs(left), cu_l, h0[:2].contiguous(), *plan, -1, tapes[0], fl_l)
+        where = f"full={full}"
+        assert torch.equal(torch.cat([out_l[0], out_r[0]]), whole_o), where
+        assert torch.equal(torch.stack([out_l[1][0], out_r[1][0], out_r[1][1]]), whole_final), where
+        for i, name in enumerate(GRADS[:5]):
+            assert torch.equal(torch.cat([grads_l[i], grads_r[i]]), whole[i]), (name, where)
+        assert torch.equal(torch.stack([grads_l[5][0], grads_l[5][1], grads_r[5][1]]), whole[5]), ("dh0", where)
+
+
+def test_doc_flags_errors_name_the_argument(ops):
+    inp = GdnCase("flags_errors", (300, 70), H=2).inputs("cuda")
+    args = tuple(inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")) + (None, 128**-0.5, False)
+    with pytest.raises(RuntimeError, match="doc_flags must be a contiguous uint8 \\[N\\] = \\[2\\]"):
+        ops.gdn_fwd(*args, True, -1, -1, torch.zeros(3, dtype=torch.uint8, device="cuda"))
+    with pytest.raises(RuntimeError, match="doc_flags needs a cut plan"):
+        ops.gdn_fwd(*args, False, 0, -1, torch.zeros(2, dtype=torch.uint8, device="cuda"))
+
+
 @pytest.mark.parametrize("case, segment_chunks", [(CASES[5], 8), (CASES[2], 2)],
                          ids=["long_doc_grid8", "pack_gva2_grid2"])
 def test_forced_cut_grids_match_fp64(ops, case, segment_chunks):
