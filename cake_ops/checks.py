@@ -125,6 +125,16 @@ def check_segment_chunks(segment_chunks) -> None:
                           f"{MAX_SEGMENT_CHUNKS} chunks, got {segment_chunks}")
 
 
+def check_doc_flags(doc_flags, N: int, device: torch.device) -> None:
+    """Per-document flags of a call's plan (csrc/gdn/gdn.h ``doc_flags``): uint8 [N] on
+    the inputs' device, or None."""
+    if doc_flags is None:
+        return
+    _check_dtype("doc_flags", doc_flags, (torch.uint8,))
+    _check_shape("doc_flags", doc_flags, (N,), "[N]")
+    _check_device("doc_flags", doc_flags, device)
+
+
 def check_gdn_grads(do, dht, T, HV, V, N, K):
     _check_shape("grad of o", do, (T, HV, V), "[T, HV, V]")
     if dht is not None:

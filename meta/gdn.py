@@ -4,16 +4,17 @@
 import torch
 
 from cake_ops import dispatch
-from cake_ops.checks import check_gdn, check_gdn_grads, check_scale, check_segment_chunks
+from cake_ops.checks import check_doc_flags, check_gdn, check_gdn_grads, check_scale, check_segment_chunks
 from cake_ops.ops.gdn import gdn_tapes_bytes
 
 
 @torch.library.register_fake("cake::gdn_fwd")
 def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
-            segment_chunks=-1):
+            segment_chunks=-1, doc_flags=None):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, N, q.device)
     o = v.new_empty(T, HV, V)
     final_state = q.new_empty(N, HV, K, V, dtype=torch.float32)
     return o, final_state
@@ -21,9 +22,9 @@ def gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, d
 
 @torch.library.register_fake("cake::gdn_fwd_full")
 def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
-                 segment_chunks=-1):
+                 segment_chunks=-1, doc_flags=None):
     o, final_state = gdn_fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                             segment_chunks=segment_chunks)
+                             segment_chunks=segment_chunks, doc_flags=doc_flags)
     T, H, HV, N = q.shape[0], q.shape[1], v.shape[1], cu_seqlens.shape[0] - 1
     # The tapes exist where the CUDA kernels take the call (the same static rule as the op's).
     on_cuda = q.device.type == "cuda" and dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is None
@@ -42,11 +43,12 @@ def gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_
 
 @torch.library.register_fake("cake::gdn_bwd")
 def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, tapes=None,
-            graph=False, segment_chunks=-1):
+            graph=False, segment_chunks=-1, doc_flags=None):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, N, q.device)
     return (
         torch.empty_like(q, memory_format=torch.contiguous_format),
         torch.empty_like(k, memory_format=torch.contiguous_format),
@@ -59,9 +61,10 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
 
 @torch.library.register_fake("cake::gdn_bwd_initial_state")
 def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
-                          segment_chunks=-1):
+                          segment_chunks=-1, doc_flags=None):
     T, H, K, HV, V, N = check_gdn(q, k, do, g, beta, cu_seqlens, None, v_name="do")
     check_gdn_grads(do, dht, T, HV, V, N, K)
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, N, q.device)
     return q.new_empty(N, HV, K, V, dtype=torch.float32)

@@ -4,9 +4,9 @@ fragments. Compositions of the ``cake::`` ops and functional collectives
 (``collectives``), so autograd gives the backward. docs/kcp.md has the math and the
 layouts."""
 
-from .context import LAYOUTS, Fragment, KcpContext, build_context_kcp, kcp_comm_bytes
+from .context import GRID_ALIGN, LAYOUTS, Fragment, KcpContext, build_context_kcp, kcp_comm_bytes
 from .gdn import gdn_kcp, kcp_saved_bytes, kcp_workspace_bytes
 from .short_conv import short_conv_kcp
 
-__all__ = ["LAYOUTS", "Fragment", "KcpContext", "build_context_kcp", "gdn_kcp", "kcp_comm_bytes", "kcp_saved_bytes",
+__all__ = ["GRID_ALIGN", "LAYOUTS", "Fragment", "KcpContext", "build_context_kcp", "gdn_kcp", "kcp_comm_bytes", "kcp_saved_bytes",
            "kcp_workspace_bytes", "short_conv_kcp"]

@@ -13,10 +13,16 @@ Layouts, for W ranks and T tokens (docs/kcp.md):
   and 2W - 1 - r;
 - ``"D"``: per-document zigzag, every document cut so, rank r holding its pieces r and
   2W - 1 - r of every document.
+With ``align`` > 1 every cut that falls inside a document moves to the nearest multiple
+of ``align`` tokens from the document's start (or to its end): ``GRID_ALIGN`` puts every
+rank boundary on the deterministic cut grid of the CUDA plan, which deterministic KCP's
+bitwise equality with the single-GPU op needs (docs/kcp.md); a document shorter than
+``align`` is never cut, and each cut moves by up to ``align / 2`` tokens.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -28,6 +34,7 @@ import torch.distributed as dist
 from . import collectives
 
 LAYOUTS = ("C", "Z", "D")
+GRID_ALIGN = 4096  # tokens: a multiple of every deterministic cut grid of the CUDA plan (64 or 32 chunks)
 _serials = itertools.count()
 
 
@@ -44,18 +51,31 @@ class Fragment:
         return self.end - self.start
 
 
-def _held_ranges(cu: Sequence[int], world: int, layout: str) -> list[list[tuple[int, int]]]:
-    """Per rank, the global token ranges it holds, in token order."""
+def _snap(cu: Sequence[int], t: int, align: int) -> int:
+    """A cut at global token t, moved where it falls inside a document to the nearest
+    multiple of ``align`` tokens from the document's start (or its end)."""
+    if align == 1:
+        return t
+    d = bisect.bisect_right(cu, t) - 1
+    if d < 0 or d >= len(cu) - 1 or t == cu[d]:
+        return t
+    return min(cu[d] + (t - cu[d] + align // 2) // align * align, cu[d + 1])
+
+
+def _held_ranges(cu: Sequence[int], world: int, layout: str, align: int = 1) -> list[list[tuple[int, int]]]:
+    """Per rank, the global token ranges it holds, in token order (each cut inside a
+    document moved to the ``align`` grid from the document's start: ``_snap``)."""
     T = cu[-1]
     if layout == "C":
-        return [[(r * T // world, (r + 1) * T // world)] for r in range(world)]
+        cuts = [_snap(cu, r * T // world, align) for r in range(world + 1)]
+        return [[(cuts[r], cuts[r + 1])] for r in range(world)]
     if layout == "Z":
-        cuts = [i * T // (2 * world) for i in range(2 * world + 1)]
+        cuts = [_snap(cu, i * T // (2 * world), align) for i in range(2 * world + 1)]
         return [[(cuts[r], cuts[r + 1]), (cuts[2 * world - 1 - r], cuts[2 * world - r])] for r in range(world)]
     held: list[list[tuple[int, int]]] = [[] for _ in range(world)]
     for d in range(len(cu) - 1):
         L = cu[d + 1] - cu[d]
-        cuts = [cu[d] + i * L // (2 * world) for i in range(2 * world + 1)]
+        cuts = [_snap(cu, cu[d] + i * L // (2 * world), align) for i in range(2 * world + 1)]
         for r in range(world):
             held[r] += [(cuts[r], cuts[r + 1]), (cuts[2 * world - 1 - r], cuts[2 * world - r])]
     return [sorted(h) for h in held]
@@ -95,6 +115,7 @@ class KcpContext:
     slots: int
     cu_seqlens: torch.Tensor
     graph_replay: bool = False
+    align: int = 1  # cuts inside documents on multiples of this from their starts (build_context_kcp)
     serial: int = dataclasses.field(default_factory=lambda: next(_serials))  # this context's, in graph replay keys
     _tables: dict = dataclasses.field(default_factory=dict, repr=False)
 
@@ -290,7 +311,9 @@ class SubBatch:
     int64), ``span``: (start, stop) where the rows are one range of the local rows (then
     the sub-batch is a view: a rank's sources are its last fragments, its sinks its
     first, unless a document starts and ends on it between them), else None; ``count``:
-    how many fragments, ``tokens``: how many rows."""
+    how many fragments, ``tokens``: how many rows; ``doc_flags``: per fragment whether it
+    opens (1: a sink) and closes (2: a source) inside its document, the CUDA plan's
+    ``doc_flags``."""
 
     rows: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -298,6 +321,7 @@ class SubBatch:
     span: tuple[int, int] | None
     count: int
     tokens: int
+    doc_flags: torch.Tensor  # uint8 per fragment: 1 opens inside its document, 2 closes inside (gdn.h)
 
     def take(self, *xs: torch.Tensor) -> list[torch.Tensor]:
         """The sub-batch's rows of each of ``xs`` [local rows, ...]: a view where they are
@@ -339,7 +363,9 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
             rows_ += range(offsets[s], offsets[s + 1])
             cu.append(cu[-1] + frags[s].tokens)
         span = (rows_[0], rows_[-1] + 1) if rows_ and rows_ == list(range(rows_[0], rows_[-1] + 1)) else None
-        return SubBatch(as_index(rows_), as_index(cu, torch.int32), as_index(list(slots)), span, len(slots), len(rows_))
+        flags = as_index([(1 if s in my_sinks else 0) + (2 if s in my_sources else 0) for s in slots], torch.uint8)
+        return SubBatch(as_index(rows_), as_index(cu, torch.int32), as_index(list(slots)), span, len(slots), len(rows_),
+                        flags)
 
     my_sources, my_sinks = ctx.sources[ctx.rank], ctx.sinks[ctx.rank]
     firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]
@@ -457,6 +483,7 @@ def build_context_kcp(
     conv_width: int = 4,
     device: torch.device | str | None = None,
     graph_replay: bool = False,
+    align: int = 1,
 ) -> KcpContext:
     """Plans a packed global batch over the ranks of ``group`` (default: the world).
 
@@ -471,9 +498,13 @@ def build_context_kcp(
     later ones copy their inputs in, replay and copy the outputs out; the same bits), the
     collectives inside the graph: that needs an NCCL group. Traced calls (torch.compile)
     and calls made inside the caller's own capture run their launches as they are. Every
-    rank must call it with the same arguments."""
+    rank must call it with the same arguments. ``align``: cuts inside a document move to
+    multiples of it from the document's start (module docstring; 1: the layouts' exact
+    cuts; ``GRID_ALIGN``: on the deterministic cut grid, for bitwise deterministic KCP)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if isinstance(align, bool) or not isinstance(align, int) or align < 1:
+        raise ValueError(f"align must be an int >= 1, got {align!r}")
     if not isinstance(graph_replay, bool):
         raise ValueError(f"graph_replay must be True or False, got {graph_replay!r}")
     if not 1 <= conv_width <= 4:
@@ -487,7 +518,7 @@ def build_context_kcp(
         raise ValueError(f"graph_replay=True needs an NCCL group (its collectives run inside the CUDA graph); "
                          f"this group's backend is {dist.get_backend(group)!r}")
     world, rank = dist.get_world_size(group), dist.get_rank(group)
-    fragments = tuple(_fragments(cu, held) for held in _held_ranges(cu, world, layout))
+    fragments = tuple(_fragments(cu, held) for held in _held_ranges(cu, world, layout, align))
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl"
                   else torch.device("cpu"))
@@ -496,7 +527,8 @@ def build_context_kcp(
         local.append(local[-1] + f.tokens)
     ctx = KcpContext(group_name=group.group_name, world=world, rank=rank, layout=layout, conv_width=conv_width,
                      cu_seqlens_global=tuple(cu), fragments=fragments, slots=max(len(f) for f in fragments),
-                     cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device), graph_replay=graph_replay)
+                     cu_seqlens=torch.tensor(local, dtype=torch.int32, device=device), graph_replay=graph_replay,
+                     align=align)
     # Made here, so that no op call (traced, or captured in a CUDA graph) copies them in.
     ctx.chain_tables(ctx.cu_seqlens.device)
     ctx.ring_tables(ctx.cu_seqlens.device)

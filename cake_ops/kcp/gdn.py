@@ -130,10 +130,11 @@ def _ring_chain_adjoint(F, M, steps, kcp, fragments: int):
     return dend
 
 
-def _walk(xs, cu_seqlens, starts, opts):
+def _walk(xs, cu_seqlens, starts, opts, part=None):
     """One ``cake::gdn_fwd`` (or, saving the tapes, ``gdn_fwd_full``) of a sub-batch:
-    (o, final states, tapes or None)."""
-    grid = dict(segment_chunks=opts.segment_chunks)
+    (o, final states, tapes or None); with ``part`` (a ``SubBatch``) its doc_flags where
+    the call is deterministic (``_flags``)."""
+    grid = dict(segment_chunks=opts.segment_chunks, doc_flags=_flags(part, opts))
     if opts.full:
         return torch.ops.cake.gdn_fwd_full(*xs, cu_seqlens, starts, *opts.walk, **grid)
     (o, final), tapes = torch.ops.cake.gdn_fwd(*xs, cu_seqlens, starts, *opts.walk, **grid), None
@@ -154,6 +155,14 @@ def _join(x_lead, x_rest, tables, dim_rows):
     index = (lead.rows, rest.rows) if dim_rows else (lead.fragments, rest.fragments)
     out = x_rest.new_empty(x_lead.shape[0] + x_rest.shape[0], *x_rest.shape[1:])
     return out.index_copy(0, index[0], x_lead).index_copy(0, index[1], x_rest)
+
+
+def _flags(part, opts):
+    """A sub-batch's doc_flags for the cake:: ops: on deterministic calls, so that a
+    fragment's edges are chained as its document's cut grid chains them (bitwise the
+    single-GPU op where the rank boundaries sit on that grid: docs/kcp.md); None
+    otherwise (a non-deterministic plan may be uncut, which takes no flags)."""
+    return part.doc_flags if part is not None and opts.walk[2] else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +202,7 @@ def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
     lead_out = None
     if lead.count:
         lead_out = _walk(lead.take(*xs), lead.cu_seqlens,
-                         S0.index_select(0, tables.lead_docs) if initial_state is not None else None, opts)
+                         S0.index_select(0, tables.lead_docs) if initial_state is not None else None, opts, lead)
     parts = []
     if relay.count:  # E from zero, M from the identity with v = 0
         sub = relay.take(*xs)
@@ -227,7 +236,7 @@ def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
     rest_out = None
     if rest.count:  # every other fragment from its chained start state
         rest_starts = starts if not lead.count else starts.index_select(0, rest.fragments)
-        rest_out = _walk(rest.take(*xs), rest.cu_seqlens, rest_starts, opts)
+        rest_out = _walk(rest.take(*xs), rest.cu_seqlens, rest_starts, opts, rest)
     out["o"] = _join(lead_out and lead_out[0], rest_out and rest_out[0], tables, True)
     # The sub-batches are formed again in the backward, not kept.
     out.update(starts=starts, transfers=transfers, S0=S0, lead_tapes=lead_out and lead_out[2],
@@ -273,7 +282,8 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
         if sinks.count:
             F = torch.ops.cake.gdn_bwd_initial_state(
                 *sinks.take(do), dht.index_select(0, sinks.fragments).contiguous(),
-                *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk, segment_chunks=opts.segment_chunks)
+                *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk, segment_chunks=opts.segment_chunks,
+                doc_flags=_flags(sinks, opts))
         if opts.ring:
             F_local = torch.zeros_like(starts).index_copy(0, sinks.fragments, F)
             picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
@@ -293,7 +303,9 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
         pick = lambda x: x if x is None or whole else x.index_select(0, part.fragments)  # noqa: E731
         grads.append(torch.ops.cake.gdn_bwd(*part.take(do), pick(dht), *part.take(q, k, v, g, beta),
                                             part.cu_seqlens, pick(starts), *walk, tapes,
-                                            segment_chunks=opts.segment_chunks) if part.count else None)
+                                            segment_chunks=opts.segment_chunks,
+                                            doc_flags=_flags(part, opts) if starts is not None else None)
+                     if part.count else None)
     lead_g, rest_g = grads
     out = {n: _join(lead_g and lead_g[i], rest_g and rest_g[i], tables, True)
            for i, n in enumerate(("dq", "dk", "dv", "dg", "dbeta"))}
@@ -488,7 +500,8 @@ def _walks(ctx: KcpContext) -> list[list]:
 
 
 def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool = False, deterministic: bool = True,
-                        save_mode: str = "light", direction: str = "forward", segments: int | None = None) -> int:
+                        save_mode: str = "light", direction: str = "forward", segments: int | None = None,
+                        initial_state: bool = False) -> int:
     """The largest workspace one ``cake::`` op of a ``gdn_kcp`` call allocates on this
     rank, in its forward or its backward (``direction``), on the CUDA kernels (K = V =
     128; ``cake_ops.gdn_workspace_bytes`` of each op's batch, which tests hold to the
@@ -497,7 +510,8 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     mode's form); the backward walks the sink fragments back for their start states'
     gradients and then runs the backward of each walk's fragments. The ops
     run one after another, so this is the most workspace the call holds at once beside
-    its tensors. Needs the CUDA extension."""
+    its tensors. ``initial_state``: the call passes one (then every call is chained, as
+    where a document crosses a rank boundary). Needs the CUDA extension."""
     if save_mode not in SAVE_MODES:
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if direction not in ("forward", "backward"):
@@ -506,10 +520,12 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     relays = [frags[s] for s in ctx.sources[ctx.rank] if (ctx.rank, s) not in firsts]
     sinks = [frags[s] for s in ctx.sinks[ctx.rank]]
     opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic, segment_chunks=_segment_chunks(ctx, segments))
-    walks = [(part, "forward" if direction == "forward" else "backward") for part in _walks(ctx)]
+    # Deterministic chained calls pass doc_flags (``_flags``), which add slots to the plan.
+    flags = deterministic and (ctx.source_slots > 0 or initial_state)
+    walks = [(part, "forward" if direction == "forward" else "backward", flags) for part in _walks(ctx)]
     if direction == "forward" and relays:
-        walks.append((relays, "final_state"))
+        walks.append((relays, "final_state", False))
     if direction == "backward" and sinks:
-        walks.append((sinks, "initial_state"))
+        walks.append((sinks, "initial_state", flags))
     return max(gdn_workspace_bytes(sum(f.tokens for f in part), len(part), H, HV, save_mode=save_mode,
-                                   direction=d, **opts) for part, d in walks)
+                                   direction=d, doc_flags=fl, **opts) for part, d, fl in walks)

@@ -27,7 +27,8 @@ import torch
 
 from .. import checkpointing, dispatch, graphs
 from . import cuda_kernel
-from ..checks import check_cu_seqlens_values, check_gdn, check_gdn_grads, check_scale, check_segment_chunks
+from ..checks import (check_cu_seqlens_values, check_doc_flags, check_gdn, check_gdn_grads, check_scale,
+                      check_segment_chunks)
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
 
@@ -87,6 +88,7 @@ def gdn_fwd(
     deterministic: bool,
     graph: bool = False,
     segment_chunks: int = -1,
+    doc_flags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunked GDN forward over packed documents.
 
@@ -96,10 +98,14 @@ def gdn_fwd(
     PyTorch path ignores it). ``segment_chunks``: the CUDA walks' cut grid, -1 (the
     plan's: docs/kernels.md, "Plan and cut grid"), 0 (uncut) or every that many chunks
     of each document (the PyTorch path walks uncut either way; the backward of the call
-    takes the same grid).
+    takes the same grid). ``doc_flags``: uint8 [N], where a document is a piece of a
+    longer one cut on its grid, whether it opens (1) and closes (2) inside it (the CUDA
+    plan's empty segments: docs/kernels.md, "Plan and cut grid"; needs a cut plan; the
+    PyTorch path ignores it: it changes no math, only which fp32 chain a piece's edge
+    state comes from).
     """
     return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                            segment_chunks=segment_chunks)
+                            segment_chunks=segment_chunks, doc_flags=doc_flags)
 
 
 def gdn_tapes_bytes(T: int, N: int, H: int, HV: int, use_qk_l2norm: bool) -> int:
@@ -162,6 +168,7 @@ def gdn_workspace_bytes(
     save_mode: str = "light",
     direction: str = "forward",
     segment_chunks: int = -1,
+    doc_flags: bool = False,
 ) -> int:
     """Bytes of the one workspace a ``gdn`` call's CUDA kernels allocate beside its
     inputs and outputs, on the current CUDA device (the plan reads its SM count), for
@@ -172,7 +179,8 @@ def gdn_workspace_bytes(
     its reverse walk writes on the way, bf16 [T, HV, 128]; ``save_mode`` does not enter);
     ``direction="final_state"``: a ``cake::gdn_fwd_final_state`` call's (the light
     forward's workspace: it allocates no o). ``segment_chunks``: the ops' cut grid (-1:
-    the plan's).
+    the plan's); ``doc_flags``: the call passes per-document flags (their empty segments
+    take slots of the plan).
     Needs the CUDA extension (the PyTorch implementation has no workspace of its own); a
     ValueError names a bad option."""
     if save_mode not in SAVE_MODES:
@@ -187,12 +195,12 @@ def gdn_workspace_bytes(
     if direction == "initial_state":
         dv_new = T * HV * dispatch.GDN_CUDA_HEAD_DIM * 2  # bf16
         return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, True, False,
-                                                segment_chunks) + dv_new
+                                                segment_chunks, doc_flags) + dv_new
     if direction == "final_state":
         return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, False, False,
-                                                segment_chunks)
+                                                segment_chunks, doc_flags)
     return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, direction == "backward",
-                                            save_mode == "full", segment_chunks)
+                                            save_mode == "full", segment_chunks, doc_flags)
 
 
 WORKSPACE_DIRECTIONS = ("forward", "backward", "initial_state", "final_state")
@@ -212,18 +220,19 @@ def gdn_fwd_full(
     deterministic: bool,
     graph: bool = False,
     segment_chunks: int = -1,
+    doc_flags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``cake::gdn_fwd`` of the full save mode: (o, final_state, tapes), tapes uint8
     [``gdn_tapes_bytes``] on the CUDA path (the forward's tapes for ``cake::gdn_bwd``),
     empty on the PyTorch path. o and final_state are bitwise ``cake::gdn_fwd``'s."""
     return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                                 segment_chunks=segment_chunks)
+                                 segment_chunks=segment_chunks, doc_flags=doc_flags)
 
 
 def _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                          graph=False, segment_chunks=-1):
+                          graph=False, segment_chunks=-1, doc_flags=None):
     o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                      deterministic, segment_chunks=segment_chunks)
+                                      deterministic, segment_chunks=segment_chunks, doc_flags=doc_flags)
     return o, final_state, q.new_empty(0, dtype=torch.uint8)  # no tapes: its backward recomputes
 
 
@@ -237,22 +246,24 @@ def _launch(op: str, graph: bool, args: tuple):
 
 @cuda_kernel("gdn_fwd_full")
 def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                       graph=False, segment_chunks=-1):
+                       graph=False, segment_chunks=-1, doc_flags=None):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                      deterministic)
     return _launch("gdn_fwd_full", graph, (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                           effective_deterministic(deterministic), segment_chunks))
+                                           effective_deterministic(deterministic), segment_chunks, -1, doc_flags))
 
 
 def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
-                     segment_chunks=-1):
+                     segment_chunks=-1, doc_flags=None):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     if _output_discarded():
@@ -262,10 +273,11 @@ def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
 
 @cuda_kernel("gdn_fwd")
 def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
-                  segment_chunks=-1):
+                  segment_chunks=-1, doc_flags=None):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
     deterministic = effective_deterministic(deterministic)
@@ -273,7 +285,7 @@ def _gdn_fwd_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2n
         return _unwritten_outputs(q, v, cu_seqlens)
     # The kernels' first stage checks cu_seqlens's values itself (csrc/gdn/plan.cu).
     return _launch("gdn_fwd", graph, (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                      deterministic, segment_chunks))
+                                      deterministic, segment_chunks, -1, doc_flags))
 
 
 @torch.library.custom_op("cake::gdn_fwd_final_state", mutates_args=())
@@ -342,6 +354,7 @@ def gdn_bwd(
     tapes: torch.Tensor | None = None,
     graph: bool = False,
     segment_chunks: int = -1,
+    doc_flags: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Chunked GDN backward: the forward's tapes (recomputed from the inputs in the light
     save mode; ``tapes`` from ``cake::gdn_fwd_full`` in the full one), dS walked back,
@@ -349,10 +362,10 @@ def gdn_bwd(
 
     Returns (dq, dk, dv, dg, dbeta, dh0) with the dtypes of (q, k, v, g, beta) and
     dh0 [N, HV, K, V] fp32 (the gradient of the initial state, zero or not).
-    ``segment_chunks``: the forward's (``cake::gdn_fwd``).
+    ``segment_chunks``, ``doc_flags``: the forward's (``cake::gdn_fwd``).
     """
     args = (do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic)
-    return _gdn_bwd_pytorch(*args, segment_chunks=segment_chunks)
+    return _gdn_bwd_pytorch(*args, segment_chunks=segment_chunks, doc_flags=doc_flags)
 
 
 def _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale) -> int:
@@ -364,9 +377,10 @@ def _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale) 
 
 
 def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                     segment_chunks=-1):
+                     segment_chunks=-1, doc_flags=None):
     T = _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm)
@@ -374,9 +388,10 @@ def _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale
 
 @cuda_kernel("gdn_bwd")
 def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                  tapes=None, graph=False, segment_chunks=-1):
+                  tapes=None, graph=False, segment_chunks=-1, doc_flags=None):
     _check_gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_bwd_pytorch(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                 deterministic)
@@ -386,7 +401,7 @@ def _gdn_bwd_cuda(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, u
     # chunk-local gradients. An empty tapes tensor is a forward that ran the PyTorch path.
     kept = tapes if tapes is not None and tapes.numel() > 0 else None
     return _launch("gdn_bwd", graph, (do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                      deterministic, segment_chunks, -1, -1, kept))
+                                      deterministic, segment_chunks, -1, -1, kept, doc_flags))
 
 
 @torch.library.custom_op("cake::gdn_bwd_initial_state", mutates_args=())
@@ -402,6 +417,7 @@ def gdn_bwd_initial_state(
     use_qk_l2norm: bool,
     deterministic: bool,
     segment_chunks: int = -1,
+    doc_flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The initial states' gradient alone: dh0 [N, HV, K, V] fp32, bitwise the dh0 of
     ``cake::gdn_bwd`` on the same arguments. The state gradient's walk back reads q, k,
@@ -410,13 +426,14 @@ def gdn_bwd_initial_state(
     without the tape walk and the chunk-local gradients. KCP's backward uses it for the
     fragments that follow another of their document (cake_ops/kcp/gdn.py)."""
     return _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
-                                          segment_chunks)
+                                          segment_chunks, doc_flags)
 
 
 def _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
-                                   segment_chunks=-1):
+                                   segment_chunks=-1, doc_flags=None):
     _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     check_cu_seqlens_values(cu_seqlens, q.shape[0])
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm)
@@ -431,16 +448,17 @@ def _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale) -> N
 
 @cuda_kernel("gdn_bwd_initial_state")
 def _gdn_bwd_initial_state_cuda(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
-                                segment_chunks=-1):
+                                segment_chunks=-1, doc_flags=None):
     _check_gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     if dispatch.gdn_bwd_cuda_refusal(do, dht, q, k, do, g, beta, cu_seqlens, scale) is not None:
         return _gdn_bwd_initial_state_pytorch(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
                                               deterministic)
     from .. import build
 
     return build.load().gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
-                                              effective_deterministic(deterministic), segment_chunks, -1)
+                                              effective_deterministic(deterministic), segment_chunks, -1, doc_flags)
 
 
 def _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm):
@@ -453,7 +471,8 @@ def _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph, segment_chunks = inputs
+    (q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph, segment_chunks,
+     doc_flags) = inputs
     # Light save mode: inputs only; the backward recomputes the chunk tensors and the walk.
     # Full save mode (gdn_fwd_full, a third output): the forward's tapes too. In a
     # checkpoint run that keeps no tapes while the region's other run may: a stand-in.
@@ -464,7 +483,7 @@ def _setup_context(ctx, inputs, output):
         tapes = _tapes_stand_in(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm)
     else:
         tapes = None
-    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, tapes)
+    ctx.save_for_backward(q, k, v, g, beta, cu_seqlens, initial_state, tapes, doc_flags)
     # An unused o or final state arrives as None: autograd would otherwise fill a zero
     # gradient for it (the final state's in almost every call: a kernel and about 60 us
     # of host time at s16k_h8; the tapes' size in the full mode, 0.48 ms at s32k_h16).
@@ -474,14 +493,15 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, do, dht, _dtapes=None):
-    q, k, v, g, beta, cu_seqlens, initial_state, tapes = ctx.saved_tensors
+    q, k, v, g, beta, cu_seqlens, initial_state, tapes, doc_flags = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(v)
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.cake.gdn_bwd(
         do, dht, q, k, v, g, beta, cu_seqlens, initial_state, *ctx.args,
-        tapes if checkpointing.kept(tapes) else None, ctx.graph, ctx.segment_chunks
+        tapes if checkpointing.kept(tapes) else None, ctx.graph, ctx.segment_chunks, doc_flags
     )
-    return dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None, None
+    return (dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None, None,
+            None)
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -490,12 +510,12 @@ gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 def _setup_final_state(ctx, inputs, output):
     *args, segment_chunks = inputs
-    _setup_context(ctx, (*args, False, segment_chunks), (None, output))
+    _setup_context(ctx, (*args, False, segment_chunks, None), (None, output))
 
 
 def _backward_final_state(ctx, dht):
     # The final states' gradient alone is the forward's with o's gradient zero.
-    return _backward(ctx, None, dht)[:-1]
+    return _backward(ctx, None, dht)[:-2]
 
 
 gdn_fwd_final_state.register_autograd(_backward_final_state, setup_context=_setup_final_state)

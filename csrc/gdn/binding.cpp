@@ -812,16 +812,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 at::Tensor gdn_bwd_initial_state(const at::Tensor& dout, const std::optional<at::Tensor>& dht, const at::Tensor& q,
                                  const at::Tensor& k, const at::Tensor& g, const at::Tensor& beta,
                                  const at::Tensor& cu_seqlens, double scale, bool use_qk_l2norm, bool deterministic,
-                                 int64_t segment_chunks, int64_t value_splits) {
+                                 int64_t segment_chunks, int64_t value_splits,
+                                 const std::optional<at::Tensor>& doc_flags) {
   constexpr const char* op = "gdn_bwd_initial_state";
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, nullptr, g, beta, cu_seqlens);
   check_gdn_grads(op, s, dout, dht, q);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/true);
+                                           segment_chunks, value_splits, /*backward=*/true, -1, false, doc_flags);
   const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, scale,
-                                       /*outputs=*/false);
+                                       /*outputs=*/false, nullptr, doc_flags);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor dout_c = dense16(dout);
   const at::Tensor dht_c = dht ? dht->contiguous() : at::Tensor();
@@ -896,7 +897,8 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "Tensor dk, Tensor dv, Tensor dg, Tensor dbeta, Tensor dh0)");
   m.def(
       "gdn_bwd_initial_state(Tensor do, Tensor? dht, Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, "
-      "float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, int value_splits=-1) -> Tensor");
+      "float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, int value_splits=-1, "
+      "Tensor? doc_flags=None) -> Tensor");
   m.def(
       "gdn_fwd_final_state(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "

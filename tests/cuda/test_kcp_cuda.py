@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import cake_ops
-from cake_ops.kcp import build_context_kcp, gdn_kcp, kcp_workspace_bytes
+from cake_ops.kcp import GRID_ALIGN, build_context_kcp, gdn_kcp, kcp_workspace_bytes
 from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
@@ -113,11 +113,15 @@ class _CakeCalls(TorchDispatchMode):
                 form = ("full" if name == "cake::gdn_fwd_full" else "light",
                         "final_state" if name == "cake::gdn_fwd_final_state" else "forward")
             names = [a.name for a in func._schema.arguments]
-            at = names.index("segment_chunks")
-            grid = (kwargs or {}).get("segment_chunks", args[at] if len(args) > at else -1)
+
+            def arg(name, default):
+                at = names.index(name)
+                return (kwargs or {}).get(name, args[at] if len(args) > at else default)
+
             self.bytes.append((form[1], cake_ops.gdn_workspace_bytes(
                 q.shape[0], cu.shape[0] - 1, q.shape[1], g.shape[1], use_qk_l2norm=l2, deterministic=det,
-                save_mode=form[0], direction=form[1], segment_chunks=grid)))
+                save_mode=form[0], direction=form[1], segment_chunks=arg("segment_chunks", -1),
+                doc_flags=arg("doc_flags", None) is not None)))
         return func(*args, **(kwargs or {}))
 
 
@@ -196,3 +200,41 @@ def test_kcp_graph_replay_is_the_eager_bits(one_rank_nccl_group):
                         assert torch.equal(a, b), (initial, form, call)
     assert graphs.keys() == min(graphs.MAX_KEYS, 2 * 2 * len(forms))  # a forward and a backward key per form
     graphs.clear()
+
+
+def _bitwise_case(rank, world, layout, lengths, H, HV, seed, single):
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, initial_state=True, device="cuda", seed=seed)
+    ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout=layout, device="cuda", align=GRID_ALIGN)
+    assert all(len(f) <= 2 for f in ctx.doc_fragments), "a relay (not bitwise yet) in the case's plan"
+    assert any(len(f) == 2 for f in ctx.doc_fragments), "no document crosses a rank boundary"
+    do, dht, refs, _ = single
+
+    def run(save_mode="light", exchange="a2a", save_transfer=True):
+        local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in NAMES[:5]]
+        h0 = inp["initial_state"].clone().requires_grad_(True)
+        o, ht = gdn_kcp(*local, ctx, initial_state=h0, output_final_state=True, use_qk_l2norm=True,
+                        save_mode=save_mode, exchange=exchange, save_transfer=save_transfer)
+        grads = torch.autograd.grad((o, ht), local + [h0], (ctx.shard(do), dht if rank == 0 else torch.zeros_like(dht)))
+        dh0 = grads[5].clone()
+        dist.all_reduce(dh0)
+        return [o, ht, *grads[:5], dh0]
+
+    names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta", "dh0")
+    for form in (("light",), ("full",), ("light", "a2a", False), ("light", "ring", False)):
+        for name, got, want in zip(names, run(*form), refs):
+            want = want if name in ("final_state", "dh0") else ctx.shard(want)
+            assert torch.equal(got, want), f"{name} not the single GPU's bits (layout {layout}, rank {rank}/{world}, {form})"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, layout", [(2, "C"), (3, "C"), (4, "C"), (2, "Z"), (3, "Z")])
+def test_deterministic_kcp_is_the_single_gpu_bits(world, layout):
+    """Deterministic KCP on a grid-aligned context (align=GRID_ALIGN) where every document
+    spans at most two ranks: every rank's outputs, the final states and every gradient
+    (dh0 summed over the ranks) bitwise the single-GPU deterministic cake_ops.gdn's of the
+    global batch, in the save modes and exchanges, on NaN-poisoned allocations (the
+    pieces' calls chain their edges as the whole document's grid does: doc_flags)."""
+    lengths, H, HV = [9000, 65, 1, 12000, 300, 7000], 2, 6  # under 16,384 tokens: no half-grid class
+    single = _single_gpu(lengths, H, HV, seed=20 + world)
+    with poisoned_allocations():
+        run_rank_threads(_bitwise_case, world, layout, lengths, H, HV, 20 + world, single, timeout=300)

@@ -32,7 +32,7 @@ def _sum_over_ranks(x):
     return x
 
 
-def _gdn_case(rank, world, layout, lengths, H, HV, seed):
+def _gdn_case(rank, world, layout, lengths, H, HV, seed, align=1):
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=seed)
     names = ("q", "k", "v", "g", "beta", "initial_state")
     cu = inp["cu_seqlens"]
@@ -46,7 +46,7 @@ def _gdn_case(rank, world, layout, lengths, H, HV, seed):
     o64, ht64 = gdn_reference(*(inp[n].double() for n in names[:5]), cu, initial_state=inp["initial_state"].double(),
                               use_qk_l2norm=True)
 
-    ctx = build_context_kcp(cu, layout=layout)
+    ctx = build_context_kcp(cu, layout=layout, align=align)
 
     def run(save_mode="light", exchange="a2a", save_transfer=True):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in names[:5]]
@@ -113,6 +113,16 @@ def _all_cases(rank, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_kcp_matches_single_process(world):
     run_ranks(_all_cases, world, timeout=600)
+
+
+def _aligned(rank, world):
+    # Cuts moved to a grid (64 tokens here; GRID_ALIGN on the CUDA path): documents still
+    # cross, and the fragments start and end on it.
+    _gdn_case(rank, world, "C", [300, 64, 1, 500], 2, 4, seed=9, align=64)
+
+
+def test_kcp_on_an_aligned_context():
+    run_ranks(_aligned, 3, timeout=300)
 
 
 def _tiny(rank, world):

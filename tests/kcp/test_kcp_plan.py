@@ -34,6 +34,30 @@ def test_fragments_tile_the_tokens(layout, world):
         assert sorted(seen) == list(range(cu[-1])), (layout, world, cu)
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_aligned_cuts_sit_on_the_grid(layout, world):
+    """With align, every fragment edge inside a document is a multiple of align tokens
+    from the document's start; the fragments still tile the tokens; align=1 is the
+    layout's exact cuts."""
+    rng = random.Random(10 + world)
+    for _ in range(20):
+        lengths = [rng.choice([0, 1, 300, 4096, 5000, 13000, 40000]) for _ in range(rng.randint(1, 5))]
+        cu = [0]
+        for n in lengths:
+            cu.append(cu[-1] + n)
+        assert _held_ranges(cu, world, layout, 1) == _held_ranges(cu, world, layout)
+        seen = []
+        for held in _held_ranges(cu, world, layout, 4096):
+            for f in _fragments(cu, held):
+                if f.doc < 0:
+                    continue
+                for edge in (f.start, f.end):
+                    assert edge in (cu[f.doc], cu[f.doc + 1]) or (edge - cu[f.doc]) % 4096 == 0, (layout, cu, f)
+                seen += range(f.start, f.end)
+        assert sorted(seen) == list(range(cu[-1])), (layout, world, cu)
+
+
 @pytest.fixture
 def one_rank_group():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -52,6 +76,8 @@ def test_kcp_errors_name_the_argument(one_rank_group):
         build_context_kcp([0, 10], graph_replay=True)
     with pytest.raises(ValueError, match="graph_replay must be True or False"):
         build_context_kcp([0, 10], graph_replay="yes")
+    with pytest.raises(ValueError, match="align must be an int >= 1"):
+        build_context_kcp([0, 10], align=0)
     ctx = build_context_kcp([0, 6, 10], conv_width=3)
     q = torch.randn(10, 1, 8)
     v, g, b = torch.randn(10, 1, 8), -torch.rand(10, 1), torch.rand(10, 1)
