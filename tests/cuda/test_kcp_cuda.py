@@ -114,8 +114,8 @@ class _CakeCalls(TorchDispatchMode):
                         "final_state" if name == "cake::gdn_fwd_final_state" else "forward")
             names = [a.name for a in func._schema.arguments]
 
-            def arg(name, default):
-                at = names.index(name)
+            def arg(name, default):  # (gdn_fwd_final_state takes no doc_flags)
+                at = names.index(name) if name in names else len(args)
                 return (kwargs or {}).get(name, args[at] if len(args) > at else default)
 
             self.bytes.append((form[1], cake_ops.gdn_workspace_bytes(
