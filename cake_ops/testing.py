@@ -108,6 +108,23 @@ def make_gdn_inputs(
     return {n: (t.to(device) if t is not None else None) for n, t in out.items()}
 
 
+def run_spawned(entry, nprocs: int, args: tuple, timeout: float) -> None:
+    """``entry(rank, *args)`` in ``nprocs`` spawned processes; an exception in any (its
+    traceback) fails the caller, and past ``timeout`` seconds every process is killed.
+    ``entry`` must be importable (module level)."""
+    import time
+
+    import torch.multiprocessing as mp
+
+    procs = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not procs.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in procs.processes:
+                p.kill()
+            raise TimeoutError(f"{nprocs} ranks did not finish within {timeout} s")
+
+
 def run_rank_threads(fn, world: int, *args, timeout: float = 300.0) -> None:
     """``fn(rank, world, *args)`` on ``world`` ranks as threads of this process, on
     torch's threaded process group (real data exchange between the threads; the ranks

@@ -7,10 +7,10 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
-import time
 
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from cake_ops.testing import run_spawned
 
 
 def _entry(rank: int, world: int, store_path: str, fn, args) -> None:
@@ -37,12 +37,5 @@ def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
     """``fn(rank, world, *args)`` on ``world`` gloo ranks; an exception on any rank (its
     traceback) or the deadline fails the caller. ``fn`` must be importable (module level)."""
     with tempfile.TemporaryDirectory() as tmp:
-        ctx = mp.start_processes(_entry, args=(world, os.path.join(tmp, "store"), fn, args), nprocs=world,
-                                 join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not ctx.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in ctx.processes:
-                    p.kill()
-                raise TimeoutError(f"{world} ranks did not finish within {timeout} s")
+        run_spawned(_entry, world, (world, os.path.join(tmp, "store"), fn, args), timeout)
 

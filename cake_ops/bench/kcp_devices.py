@@ -26,17 +26,16 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from .accuracy import GRAD_NAMES, reference_outputs
 from .report import make_meta
 from .shapes import ACCURACY_SHAPE, KCP_SHAPES, QUICK_SHAPES, SHAPES, make_inputs
 from .timing import Timer, busy_us
+from ..testing import run_spawned
 
 NAMES = ("q", "k", "v", "g", "beta")
 NCCL_KERNEL = "nccl"  # NCCL's kernels' names start with ncclDevKernel / ncclKernel
@@ -223,14 +222,7 @@ def run_kcp_devices(args, timeout: float = 3600.0) -> dict | None:
                          f"{torch.cuda.device_count()}; --emulate runs the ranks as threads on one")
     with tempfile.TemporaryDirectory() as tmp:
         out_path = os.path.join(tmp, "report.json")
-        procs = mp.start_processes(_spawned, args=(args.cp, args, os.path.join(tmp, "store"), out_path),
-                                   nprocs=args.cp, join=False, start_method="spawn")
-        deadline = time.monotonic() + timeout
-        while not procs.join(timeout=1.0):
-            if time.monotonic() > deadline:
-                for p in procs.processes:
-                    p.kill()
-                raise TimeoutError(f"{args.cp} ranks did not finish within {timeout} s")
+        run_spawned(_spawned, args.cp, (args.cp, args, os.path.join(tmp, "store"), out_path), timeout)
         with open(out_path) as f:
             return json.load(f)
 
