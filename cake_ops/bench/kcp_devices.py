@@ -41,17 +41,10 @@ NAMES = ("q", "k", "v", "g", "beta")
 NCCL_KERNEL = "nccl"  # NCCL's kernels' names start with ncclDevKernel / ncclKernel
 
 
-def _steps(inp, ctx, ops, device) -> dict:
-    """Per op, a callable running this rank's KCP step of ``inp`` (the global inputs)."""
+def _op_steps(call, leaves, do, ops) -> dict:
+    """Per op of ``ops``, a callable running ``call(*leaves)`` as the benchmark's op does:
+    fwd (no grad), fwdbwd, ckpt (non-reentrant checkpoint)."""
     from torch.utils.checkpoint import checkpoint
-
-    from cake_ops.kcp import gdn_kcp
-
-    leaves = [ctx.shard(getattr(inp, n)).detach().requires_grad_(True) for n in NAMES]
-    do = ctx.shard(inp.do)
-
-    def call(*xs):
-        return gdn_kcp(*xs, ctx, use_qk_l2norm=True)[0]
 
     def fwd():
         with torch.no_grad():
@@ -66,27 +59,20 @@ def _steps(inp, ctx, ops, device) -> dict:
     return {op: {"fwd": fwd, "fwdbwd": fwdbwd, "ckpt": ckpt}[op] for op in ops}
 
 
-def _single_steps(inp, ops) -> dict:
-    from torch.utils.checkpoint import checkpoint
+def _steps(inp, ctx, ops) -> dict:
+    """Per op, a callable running this rank's KCP step of ``inp`` (the global inputs)."""
+    from cake_ops.kcp import gdn_kcp
 
+    leaves = [ctx.shard(getattr(inp, n)).detach().requires_grad_(True) for n in NAMES]
+    return _op_steps(lambda *xs: gdn_kcp(*xs, ctx, use_qk_l2norm=True)[0], leaves, ctx.shard(inp.do), ops)
+
+
+def _single_steps(inp, ops) -> dict:
+    """Per op, a callable running the single-device ``cake_ops.gdn`` of the whole batch."""
     import cake_ops
 
     leaves = [getattr(inp, n).detach().requires_grad_(True) for n in NAMES]
-
-    def call(*xs):
-        return cake_ops.gdn(*xs, inp.cu_seqlens, use_qk_l2norm=True)[0]
-
-    def fwd():
-        with torch.no_grad():
-            call(*leaves)
-
-    def fwdbwd():
-        torch.autograd.grad(call(*leaves), leaves, inp.do)
-
-    def ckpt():
-        torch.autograd.grad(checkpoint(call, *leaves, use_reentrant=False), leaves, inp.do)
-
-    return {op: {"fwd": fwd, "fwdbwd": fwdbwd, "ckpt": ckpt}[op] for op in ops}
+    return _op_steps(lambda *xs: cake_ops.gdn(*xs, inp.cu_seqlens, use_qk_l2norm=True)[0], leaves, inp.do, ops)
 
 
 def _time(step, timer: Timer, args) -> dict:
@@ -167,7 +153,7 @@ def _rank_main(args, out_path: str | None) -> dict | None:
             inp = make_inputs(shape, device, args.gate, args.seed)  # the same on every rank
             ctx = ctx_of(inp)
             comm = kcp_comm_bytes(ctx, inp.v.shape[1], inp.q.shape[-1], inp.v.shape[-1])
-            for op, step in _steps(inp, ctx, args.ops, device).items():
+            for op, step in _steps(inp, ctx, args.ops).items():
                 every = _gather_timings(_time(step, timer, args), world, device)
                 single = _time(_single_steps(inp, [op])[op], timer, args) if rank == 0 else None
                 dist.barrier()

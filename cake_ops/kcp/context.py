@@ -157,6 +157,18 @@ class KcpContext:
         return tuple(tuple(sorted(slots)) for slots in per_rank)
 
     @functools.cached_property
+    def leads(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the slots of its lead sources: sources that start their document
+        (their start state is known before any exchange), ascending."""
+        firsts = {frags[0] for frags in self.doc_fragments if frags}
+        return tuple(tuple(s for s in self.sources[r] if (r, s) in firsts) for r in range(self.world))
+
+    @functools.cached_property
+    def relays(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the slots of its other sources (inside a document), ascending."""
+        return tuple(tuple(s for s in self.sources[r] if s not in self.leads[r]) for r in range(self.world))
+
+    @functools.cached_property
     def source_slots(self) -> int:
         """The most source fragments a rank holds."""
         return max(len(s) for s in self.sources)
@@ -369,14 +381,13 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
 
     my_sources, my_sinks = ctx.sources[ctx.rank], ctx.sinks[ctx.rank]
     firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]
-    first_slots = {s for s, _ in firsts}
-    leads = [s for s in my_sources if s in first_slots]
+    leads, relays = ctx.leads[ctx.rank], ctx.relays[ctx.rank]
     final_rows = [last_index[f[-1]] if f else ctx.world * ctx.last_slots + d for d, f in enumerate(per_doc)]
     return ChainTables(
-        lead=sub_batch(leads), relay=sub_batch([s for s in my_sources if s not in first_slots]),
+        lead=sub_batch(leads), relay=sub_batch(relays),
         rest=sub_batch([s for s in range(len(frags)) if s not in leads]), sinks=sub_batch(my_sinks),
-        lead_sources=as_index([j for j, s in enumerate(my_sources) if s in first_slots]),
-        relay_sources=as_index([j for j, s in enumerate(my_sources) if s not in first_slots]),
+        lead_sources=as_index([j for j, s in enumerate(my_sources) if s in leads]),
+        relay_sources=as_index([j for j, s in enumerate(my_sources) if s in relays]),
         lead_docs=as_index([frags[s].doc for s in leads]),
         steps=tuple(steps),
         local_starts=as_index([start_row.get((ctx.rank, s), rows) for s in range(len(frags))]),

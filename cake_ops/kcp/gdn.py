@@ -493,9 +493,8 @@ def _walks(ctx: KcpContext) -> list[list]:
     """The fragments of this rank's forward walks with outputs (``_GdnKcp.forward``): its
     lead sources (none where no document crosses a rank boundary), then the rest; empty
     ones left out."""
-    frags, firsts = ctx.fragments[ctx.rank], {f[0] for f in ctx.doc_fragments if f}
-    leads = {s for s in ctx.sources[ctx.rank] if (ctx.rank, s) in firsts}
-    parts = [[frags[s] for s in sorted(leads)], [f for s, f in enumerate(frags) if s not in leads]]
+    frags, leads = ctx.fragments[ctx.rank], ctx.leads[ctx.rank]
+    parts = [[frags[s] for s in leads], [f for s, f in enumerate(frags) if s not in leads]]
     return [p for p in parts if p]
 
 
@@ -516,8 +515,8 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
         raise ValueError(f"save_mode must be one of {SAVE_MODES}, got {save_mode!r}")
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
-    frags, firsts = ctx.fragments[ctx.rank], {f[0] for f in ctx.doc_fragments if f}
-    relays = [frags[s] for s in ctx.sources[ctx.rank] if (ctx.rank, s) not in firsts]
+    frags = ctx.fragments[ctx.rank]
+    relays = [frags[s] for s in ctx.relays[ctx.rank]]
     sinks = [frags[s] for s in ctx.sinks[ctx.rank]]
     opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic, segment_chunks=_segment_chunks(ctx, segments))
     # Deterministic chained calls pass doc_flags (``_flags``), which add slots to the plan.
