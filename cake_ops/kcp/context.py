@@ -35,6 +35,11 @@ from . import collectives
 
 LAYOUTS = ("C", "Z", "D")
 GRID_ALIGN = 4096  # tokens: a multiple of every deterministic cut grid of the CUDA plan (64 or 32 chunks)
+# The deterministic CUDA plan's grid (csrc/gdn/plan.h kGdnDetSegChunks, kGdnDetFillWalks).
+_DET_SEG_CHUNKS, _DET_FILL_WALKS = 64, 128
+# doc_flags' bits (csrc/gdn/gdn.h): the fragment opens / closes inside its document; it is
+# cut at the half / the full grid, its document's class.
+OPENS_INSIDE, CLOSES_INSIDE, HALF_GRID, FULL_GRID = 1, 2, 4, 8
 _serials = itertools.count()
 
 
@@ -49,6 +54,15 @@ class Fragment:
     @property
     def tokens(self) -> int:
         return self.end - self.start
+
+
+def half_grid(chunks: int, HV: int) -> bool:
+    """Whether the deterministic CUDA plan cuts a document of ``chunks`` 64-token chunks
+    at half its grid at ``HV`` value heads (csrc/gdn/chunks.cuh ``doc_cut_chunks`` with
+    plan.h ``gdn_fwd_choose_segment_long_max``): a long document whose full-grid segments
+    alone would leave SMs idle."""
+    long_max = _DET_SEG_CHUNKS * (-(-_DET_FILL_WALKS // HV) - 1)
+    return long_max >= 4 * _DET_SEG_CHUNKS and 4 * _DET_SEG_CHUNKS <= chunks <= long_max
 
 
 def _snap(cu: Sequence[int], t: int, align: int) -> int:
@@ -325,7 +339,8 @@ class SubBatch:
     first, unless a document starts and ends on it between them), else None; ``count``:
     how many fragments, ``tokens``: how many rows; ``doc_flags``: per fragment whether it
     opens (1: a sink) and closes (2: a source) inside its document, the CUDA plan's
-    ``doc_flags``."""
+    ``doc_flags`` edges; ``doc_chunks``: per fragment its document's 64-token chunks, which
+    decide the grid class ``grid_flags`` adds."""
 
     rows: torch.Tensor
     cu_seqlens: torch.Tensor
@@ -333,7 +348,18 @@ class SubBatch:
     span: tuple[int, int] | None
     count: int
     tokens: int
-    doc_flags: torch.Tensor  # uint8 per fragment: 1 opens inside its document, 2 closes inside (gdn.h)
+    doc_flags: torch.Tensor  # uint8 per fragment: OPENS_INSIDE, CLOSES_INSIDE (gdn.h)
+    doc_chunks: tuple[int, ...]
+    _grid_flags: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
+
+    def grid_flags(self, HV: int) -> torch.Tensor:
+        """``doc_flags`` with each fragment's grid class (``HALF_GRID`` or ``FULL_GRID``)
+        at ``HV`` value heads: a fragment is cut at its whole document's grid, not at the
+        one its own length would choose (made once per HV)."""
+        if HV not in self._grid_flags:
+            bits = [HALF_GRID if half_grid(c, HV) else FULL_GRID for c in self.doc_chunks]
+            self._grid_flags[HV] = self.doc_flags | torch.tensor(bits, dtype=torch.uint8, device=self.doc_flags.device)
+        return self._grid_flags[HV]
 
     def take(self, *xs: torch.Tensor) -> list[torch.Tensor]:
         """The sub-batch's rows of each of ``xs`` [local rows, ...]: a view where they are
@@ -375,9 +401,12 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
             rows_ += range(offsets[s], offsets[s + 1])
             cu.append(cu[-1] + frags[s].tokens)
         span = (rows_[0], rows_[-1] + 1) if rows_ and rows_ == list(range(rows_[0], rows_[-1] + 1)) else None
-        flags = as_index([(1 if s in my_sinks else 0) + (2 if s in my_sources else 0) for s in slots], torch.uint8)
+        flags = as_index([(OPENS_INSIDE if s in my_sinks else 0) + (CLOSES_INSIDE if s in my_sources else 0)
+                          for s in slots], torch.uint8)
+        cu_g = ctx.cu_seqlens_global
+        doc_chunks = tuple(-(-(cu_g[d + 1] - cu_g[d]) // 64) if d >= 0 else 0 for d in (frags[s].doc for s in slots))
         return SubBatch(as_index(rows_), as_index(cu, torch.int32), as_index(list(slots)), span, len(slots), len(rows_),
-                        flags)
+                        flags, doc_chunks)
 
     my_sources, my_sinks = ctx.sources[ctx.rank], ctx.sinks[ctx.rank]
     firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]

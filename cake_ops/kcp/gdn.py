@@ -134,7 +134,7 @@ def _walk(xs, cu_seqlens, starts, opts, part=None):
     """One ``cake::gdn_fwd`` (or, saving the tapes, ``gdn_fwd_full``) of a sub-batch:
     (o, final states, tapes or None); with ``part`` (a ``SubBatch``) its doc_flags where
     the call is deterministic (``_flags``)."""
-    grid = dict(segment_chunks=opts.segment_chunks, doc_flags=_flags(part, opts))
+    grid = dict(segment_chunks=opts.segment_chunks, doc_flags=_flags(part, opts, xs[2].shape[1]))
     if opts.full:
         return torch.ops.cake.gdn_fwd_full(*xs, cu_seqlens, starts, *opts.walk, **grid)
     (o, final), tapes = torch.ops.cake.gdn_fwd(*xs, cu_seqlens, starts, *opts.walk, **grid), None
@@ -157,12 +157,15 @@ def _join(x_lead, x_rest, tables, dim_rows):
     return out.index_copy(0, index[0], x_lead).index_copy(0, index[1], x_rest)
 
 
-def _flags(part, opts):
+def _flags(part, opts, HV):
     """A sub-batch's doc_flags for the cake:: ops: on deterministic calls, so that a
-    fragment's edges are chained as its document's cut grid chains them (bitwise the
-    single-GPU op where the rank boundaries sit on that grid: docs/kcp.md); None
-    otherwise (a non-deterministic plan may be uncut, which takes no flags)."""
-    return part.doc_flags if part is not None and opts.walk[2] else None
+    fragment's edges are chained as its document's cut grid chains them and, on the
+    plan's grid, it is cut at its document's grid class (bitwise the single-GPU op where
+    the rank boundaries sit on that grid: docs/kcp.md); None otherwise (a
+    non-deterministic plan may be uncut, which takes no flags)."""
+    if part is None or not opts.walk[2]:
+        return None
+    return part.grid_flags(HV) if opts.segment_chunks == -1 else part.doc_flags
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +286,7 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
             F = torch.ops.cake.gdn_bwd_initial_state(
                 *sinks.take(do), dht.index_select(0, sinks.fragments).contiguous(),
                 *sinks.take(q, k, g, beta), sinks.cu_seqlens, *walk, segment_chunks=opts.segment_chunks,
-                doc_flags=_flags(sinks, opts))
+                doc_flags=_flags(sinks, opts, do.shape[1]))
         if opts.ring:
             F_local = torch.zeros_like(starts).index_copy(0, sinks.fragments, F)
             picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
@@ -304,7 +307,7 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
         grads.append(torch.ops.cake.gdn_bwd(*part.take(do), pick(dht), *part.take(q, k, v, g, beta),
                                             part.cu_seqlens, pick(starts), *walk, tapes,
                                             segment_chunks=opts.segment_chunks,
-                                            doc_flags=_flags(part, opts) if starts is not None else None)
+                                            doc_flags=_flags(part, opts, v.shape[1]) if starts is not None else None)
                      if part.count else None)
     lead_g, rest_g = grads
     out = {n: _join(lead_g and lead_g[i], rest_g and rest_g[i], tables, True)

@@ -100,9 +100,11 @@ def gdn_fwd(
     of each document (the PyTorch path walks uncut either way; the backward of the call
     takes the same grid). ``doc_flags``: uint8 [N], where a document is a piece of a
     longer one cut on its grid, whether it opens (1) and closes (2) inside it (the CUDA
-    plan's empty segments: docs/kernels.md, "Plan and cut grid"; needs a cut plan; the
-    PyTorch path ignores it: it changes no math, only which fp32 chain a piece's edge
-    state comes from).
+    plan's empty segments) and whether it is cut at the half (4) or the full (8) grid of
+    the longer document's class (docs/kernels.md, "Plan and cut grid"; needs a cut plan;
+    4 needs a plan with a half grid: a bit the call cannot honour stops the stream with a
+    device-side assert naming doc_flags; the PyTorch path ignores it: it changes no math,
+    only which fp32 chain a piece's edge state comes from and where it is cut).
     """
     return _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
                             segment_chunks=segment_chunks, doc_flags=doc_flags)

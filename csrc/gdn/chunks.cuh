@@ -34,9 +34,13 @@ __device__ __forceinline__ ChunkPos find_chunk(const int32_t* chunk_offsets, CuS
 // The cut grid of a document of `chunks` chunks: every seg_chunks chunks from its start
 // (0: uncut), or every seg_chunks / 2 for a long document, of 4 seg_chunks .. long_max
 // chunks (long_max = 0: none; the deterministic plan's choice, plan.h). A function of
-// the document's own length, so its bits do not depend on its neighbours.
-__host__ __device__ inline int doc_cut_chunks(int chunks, int seg_chunks, int long_max) {
-  return seg_chunks > 1 && chunks >= 4 * seg_chunks && chunks <= long_max ? seg_chunks / 2 : seg_chunks;
+// the document's own length, so its bits do not depend on its neighbours; or, for a
+// piece of a longer document (doc_flags kGdnHalfGrid / kGdnFullGrid, gdn.h), of that
+// document's length, which the caller gives as the flag.
+__host__ __device__ inline int doc_cut_chunks(int chunks, int seg_chunks, int long_max, uint8_t flags = 0) {
+  const bool half = (flags & kGdnHalfGrid) != 0 ||
+                    ((flags & kGdnFullGrid) == 0 && chunks >= 4 * seg_chunks && chunks <= long_max);
+  return seg_chunks > 1 && half ? seg_chunks / 2 : seg_chunks;
 }
 
 // The empty segments a document's doc_flags (gdn.h) add: one before its segments where it
@@ -79,8 +83,8 @@ __device__ __forceinline__ SegmentPos find_segment(const int32_t* seg_offsets, C
   s.doc_start = cu[s.doc];
   s.doc_end = cu[s.doc + 1];
   const int chunks = s.doc_end > s.doc_start ? static_cast<int>((s.doc_end - s.doc_start + kGdnChunk - 1) / kGdnChunk) : 0;
-  const int grid = doc_cut_chunks(chunks, seg_chunks, long_max);
   const uint8_t flags = doc_flags != nullptr ? doc_flags[s.doc] : 0;
+  const int grid = doc_cut_chunks(chunks, seg_chunks, long_max, flags);
   const int real = s.seg - ((flags & kGdnOpensInside) ? 1 : 0);  // the segment's index among the real ones
   if (real < 0 || real >= s.nseg - empty_segments(flags)) {  // an empty segment of doc_flags
     s.c0 = real < 0 ? 0 : chunks;

@@ -146,10 +146,16 @@ struct GdnFwdCoreArgs {
   // (the last real one is then summarised and chained, and the final state is the chained
   // start of what follows; its reverse summary, F = 0 and M^T = I, makes dht the last
   // real segment's end gradient). Needs a cut plan (seg_chunks > 0).
+  // kGdnHalfGrid / kGdnFullGrid (at most one): the piece is cut at the half grid / the
+  // full grid whatever its own length, as its longer document's length puts that
+  // document in one class or the other (chunks.cuh, doc_cut_chunks); the half grid only
+  // where the call has one (seg_long_max > 0). Other bits are an error (the plan kernel
+  // asserts).
   const uint8_t* doc_flags;
 };
 constexpr uint8_t kGdnWalkAll = 0, kGdnWalkFirst = 1, kGdnWalkLast = 2;
-constexpr uint8_t kGdnOpensInside = 1, kGdnClosesInside = 2;
+constexpr uint8_t kGdnOpensInside = 1, kGdnClosesInside = 2, kGdnHalfGrid = 4, kGdnFullGrid = 8;
+constexpr uint8_t kGdnDocFlagBits = kGdnOpensInside | kGdnClosesInside | kGdnHalfGrid | kGdnFullGrid;
 
 // GdnFwdCoreArgs plus what only the backward's recompute (gdn_bwd_tapes_launch) writes;
 // nullptr in the forward. The walk kernel takes the core by value and the tapes as a

@@ -44,6 +44,20 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
   }
 }
 
+// doc_flags[n] must hold only gdn.h's bits, at most one grid bit, and the half grid's
+// only where the call has a half grid (its slot bounds, gdn_fwd_finest_cut_chunks, are
+// for the grids the call can cut at): else the kernel asserts, as for cu_seqlens.
+__device__ __forceinline__ void check_doc_flags(uint8_t flags, int64_t n, int seg_chunks, int long_max) {
+  const bool bad = (flags & ~kGdnDocFlagBits) != 0 || ((flags & kGdnHalfGrid) && (flags & kGdnFullGrid)) ||
+                   ((flags & kGdnHalfGrid) && !(seg_chunks > 1 && long_max >= 4 * seg_chunks));
+  if (bad) {
+    printf("cake gdn_fwd: doc_flags[%lld] = %d: its bits must be of 1, 2, 4, 8, with at most one of 4 and 8, and 4 "
+           "(the half grid) only where the call's plan has a half grid (deterministic, HV < 32)\n",
+           static_cast<long long>(n), static_cast<int>(flags));
+    __assert_fail("doc_flags holds a bit the call cannot honour", __FILE__, __LINE__, __func__);
+  }
+}
+
 // chunk_offsets[n] = sum over m < n of ceil(len_m / 64); seg_offsets[n] = sum over m < n
 // of max(1, ceil(chunks_m / grid_m)), grid_m = doc_cut_chunks(chunks_m, ...) (one segment
 // per document when seg_chunks = 0), plus the empty segments of doc_flags (gdn.h);
@@ -67,9 +81,11 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
       check_cu_seqlens(cu, n, N, T);
       const int64_t len = cu[n + 1] - cu[n];
       chunks = len > 0 ? static_cast<int32_t>((len + kGdnChunk - 1) / kGdnChunk) : 0;
-      const int grid = doc_cut_chunks(chunks, seg_chunks, long_max);
+      const uint8_t flags = doc_flags != nullptr ? doc_flags[n] : 0;
+      if (doc_flags != nullptr) check_doc_flags(flags, n, seg_chunks, long_max);
+      const int grid = doc_cut_chunks(chunks, seg_chunks, long_max, flags);
       segs = grid > 0 ? max(1, (chunks + grid - 1) / grid) : 1;
-      if (doc_flags != nullptr) segs += empty_segments(doc_flags[n]);
+      segs += empty_segments(flags);
     }
     const int32_t chained = segs >= 3 ? 1 : 0;
     int32_t chunk_total, seg_total, chain_total;

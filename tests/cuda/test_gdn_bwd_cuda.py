@@ -9,6 +9,9 @@ torch.compile(fullgraph=True). Every test is marked ``gpu``.
 """
 
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -255,21 +258,31 @@ def test_doc_flags_pieces_are_the_whole_calls_bits(ops, gate, segment_chunks, de
     inp = case.inputs("cuda")
     if gate == "window4":
         inp["g"] = torch.full_like(inp["g"], -0.08)
+    _pieces_are_the_whole_call(ops, inp, lengths, 64 * split_chunks, (128**-0.5, True, deterministic, segment_chunks,
+                                                                       value_splits), (0, 2), (1, 0))
+
+
+def _pieces_are_the_whole_call(ops, inp, lengths, cut, plan, flags_left, flags_right):
+    """The middle of three documents cut `cut` tokens from its start: the left call (the
+    first document and the left piece, doc_flags ``flags_left``) and the right call (the
+    right piece from the left's final state and the third document, ``flags_right``)
+    give the whole call's outputs and final states bitwise, and, the right call walked
+    back first and the left from its dh0, the whole backward's gradients, light and full
+    save modes, on NaN-poisoned allocations."""
     do, dht = _grad_inputs(inp, 41)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
-    at = lengths[0] + 64 * split_chunks  # the cut, a token row
+    at = lengths[0] + cut  # the cut, a token row
     T = sum(lengths)
-    plan = (128**-0.5, True, deterministic, segment_chunks, value_splits)
 
     def cu(*n):
         return torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
 
-    def flags(*f):
+    def flags(f):
         return torch.tensor(f, dtype=torch.uint8, device="cuda")
 
     left, right = slice(0, at), slice(at, T)
     cu_l, cu_r = cu(lengths[0], at - lengths[0]), cu(lengths[1] - (at - lengths[0]), lengths[2])
-    fl_l, fl_r = flags(0, 2), flags(1, 0)
+    fl_l, fl_r = flags(flags_left), flags(flags_right)
     xs = lambda rows: tuple(x[rows] for x in (q, k, v, g, beta))  # noqa: E731
     whole_o, whole_final = ops.gdn_fwd(q, k, v, g, beta, inp["cu_seqlens"], h0, *plan)
     whole = ops.gdn_bwd(do, dht, q, k, v, g, beta, inp["cu_seqlens"], h0, *plan, -1, None)
@@ -289,6 +302,51 @@ def test_doc_flags_pieces_are_the_whole_calls_bits(ops, gate, segment_chunks, de
         for i, name in enumerate(GRADS[:5]):
             assert torch.equal(torch.cat([grads_l[i], grads_r[i]]), whole[i]), (name, where)
         assert torch.equal(torch.stack([grads_l[5][0], grads_l[5][1], grads_r[5][1]]), whole[5]), ("dh0", where)
+
+
+# (middle document's tokens, the cut, G): at H = 2 the deterministic plan halves the grid
+# of a document of 256 .. long_max chunks (long_max 4032 chunks at HV = 2, 1344 at HV = 6).
+# A piece under 256 chunks of a half-grid document, and pieces in that range of a longer
+# one, fall in the other class by their own lengths: the grid bits give them their
+# document's (csrc/gdn/chunks.cuh doc_cut_chunks).
+@pytest.mark.parametrize("middle, cut, G", [(20480, 4096, 1), (20480, 16384, 1), (89600, 20480, 3)],
+                         ids=["half_left_short", "half_right_short", "full_pieces_in_half_range"])
+def test_doc_flags_grid_class_pieces_are_the_whole_calls_bits(ops, middle, cut, G):
+    from cake_ops.kcp.context import FULL_GRID, HALF_GRID, half_grid
+
+    HV = 2 * G
+    klass = HALF_GRID if half_grid(middle // 64, HV) else FULL_GRID
+    assert half_grid(middle // 64, HV) != half_grid(min(cut, middle - cut) // 64, HV)  # a piece in the other class
+    lengths = (300, middle, 500)
+    inp = GdnCase(f"flags_class_{middle}", lengths, H=2, G=G, l2norm=True, initial_state=True).inputs("cuda")
+    own = lambda n: HALF_GRID if half_grid(-(-n // 64), HV) else FULL_GRID  # noqa: E731
+    _pieces_are_the_whole_call(ops, inp, lengths, cut, (128**-0.5, True, True, -1, -1),
+                               (own(lengths[0]), 2 | klass), (1 | klass, own(lengths[2])))
+
+
+def test_doc_flags_bits_the_call_cannot_honour_stop_the_kernels(ops):
+    """A half-grid bit in a call without a half grid (HV = 48) fails the call with an
+    assert naming doc_flags, on the device (its own process: the CUDA context is unusable
+    afterwards)."""
+    program = """
+import torch, cake_ops
+from cake_ops.testing import make_gdn_inputs
+inp = make_gdn_inputs([300, 500], 1, 48, 128, 128, device="cuda", seed=0)
+flags = torch.tensor([4, 0], dtype=torch.uint8, device="cuda")
+try:
+    torch.ops.cake_cuda.gdn_fwd(*(inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), None, 128**-0.5,
+                                False, True, -1, -1, flags)
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("RAISED", e)
+    raise SystemExit(3)
+print("NO ERROR")
+"""
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[2])
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out
+    assert "doc_flags[0] = 4: its bits must be of 1, 2, 4, 8" in out, out
 
 
 def test_doc_flags_errors_name_the_argument(ops):

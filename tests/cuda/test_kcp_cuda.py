@@ -13,6 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import cake_ops
 from cake_ops.kcp import GRID_ALIGN, build_context_kcp, gdn_kcp, kcp_workspace_bytes
+from cake_ops.kcp.context import _fragments, _held_ranges, half_grid
 from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
@@ -234,7 +235,35 @@ def test_deterministic_kcp_is_the_single_gpu_bits(world, layout):
     (dh0 summed over the ranks) bitwise the single-GPU deterministic cake_ops.gdn's of the
     global batch, in the save modes and exchanges, on NaN-poisoned allocations (the
     pieces' calls chain their edges as the whole document's grid does: doc_flags)."""
-    lengths, H, HV = [9000, 65, 1, 12000, 300, 7000], 2, 6  # under 16,384 tokens: no half-grid class
+    lengths, H, HV = [9000, 65, 1, 12000, 300, 7000], 2, 6  # under 16,384 tokens: the full grid
     single = _single_gpu(lengths, H, HV, seed=20 + world)
     with poisoned_allocations():
         run_rank_threads(_bitwise_case, world, layout, lengths, H, HV, 20 + world, single, timeout=300)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world, layout, lengths", [
+    (2, "C", [20480, 300, 20480, 300, 20480]), (3, "C", [24576, 65, 20480, 1, 16384]),
+    (4, "C", [20480, 300, 20480, 300, 20480]), (2, "Z", [20480, 300, 20480, 300, 20480]),
+    (3, "Z", [20480, 300, 20480, 300, 20480])])
+def test_deterministic_kcp_of_half_grid_documents_is_the_single_gpu_bits(world, layout, lengths):
+    """As above, for documents of 16,384 tokens or more at HV = 6, which the deterministic
+    plan cuts at half its grid, split where a fragment's own length would take the full
+    grid: the fragments' doc_flags carry their documents' class (SubBatch.grid_flags)."""
+    H, HV = 2, 6
+    per_doc = _aligned_fragments([0, *torch.tensor(lengths).cumsum(0).tolist()], world, layout)
+    assert any(len(f) == 2 and half_grid(-(-lengths[d] // 64), HV) != half_grid(-(-min(f) // 64), HV)
+               for d, f in enumerate(per_doc)), "no fragment falls in the other class by its own length"
+    single = _single_gpu(lengths, H, HV, seed=40 + world)
+    with poisoned_allocations():
+        run_rank_threads(_bitwise_case, world, layout, lengths, H, HV, 40 + world, single, timeout=300)
+
+
+def _aligned_fragments(cu, world, layout):
+    """Per document, the token counts of its fragments on a grid-aligned context."""
+    per_doc = [[] for _ in range(len(cu) - 1)]
+    for held in _held_ranges(cu, world, layout, GRID_ALIGN):
+        for f in _fragments(cu, held):
+            if f.doc >= 0:
+                per_doc[f.doc].append(f.tokens)
+    return per_doc
