@@ -135,6 +135,28 @@ def check_doc_flags(doc_flags, N: int, device: torch.device) -> None:
     _check_device("doc_flags", doc_flags, device)
 
 
+def check_state_chain(values, transfers, state, seg_cu) -> None:
+    """A state chain's operands (``cake::gdn_state_chain``, ``gdn_state_grad_chain``): per
+    segment values [R, HV, K, V] and transfers [R, HV, K, K], per document the state it
+    enters from [N, HV, K, V], fp32, and seg_cu int32 [N + 1] (its segments' rows, from 0
+    to R, non-decreasing: not read on the host), all on one device."""
+    for name, t in (("values", values), ("transfers", transfers), ("state", state), ("seg_cu", seg_cu)):
+        if not isinstance(t, torch.Tensor):
+            _fail(TypeError, f"{name} must be a tensor, got {type(t).__name__}")
+    if state.dim() != 4:
+        _fail(ValueError, f"state must be [N, HV, K, V], got shape {tuple(state.shape)}")
+    N, HV, K, V = state.shape
+    R = values.shape[0] if values.dim() else -1
+    _check_shape("values", values, (R, HV, K, V), "[R, HV, K, V]")
+    _check_shape("transfers", transfers, (R, HV, K, K), "[R, HV, K, K]")
+    _check_shape("seg_cu", seg_cu, (N + 1,), "[N + 1]")
+    for name, t in (("values", values), ("transfers", transfers), ("state", state)):
+        _check_dtype(name, t, (torch.float32,))
+        _check_device(name, t, state.device)
+    _check_dtype("seg_cu", seg_cu, (torch.int32,))
+    _check_device("seg_cu", seg_cu, state.device)
+
+
 def check_gdn_grads(do, dht, T, HV, V, N, K):
     _check_shape("grad of o", do, (T, HV, V), "[T, HV, V]")
     if dht is not None:

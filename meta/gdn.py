@@ -1,10 +1,12 @@
 """Fake kernels of ``cake::gdn_fwd``, ``cake::gdn_fwd_full``, ``cake::gdn_fwd_final_state``,
-``cake::gdn_bwd`` and ``cake::gdn_bwd_initial_state``."""
+``cake::gdn_bwd``, ``cake::gdn_bwd_initial_state``, ``cake::gdn_state_chain`` and
+``cake::gdn_state_grad_chain``."""
 
 import torch
 
 from cake_ops import dispatch
-from cake_ops.checks import check_doc_flags, check_gdn, check_gdn_grads, check_scale, check_segment_chunks
+from cake_ops.checks import (check_doc_flags, check_gdn, check_gdn_grads, check_scale, check_segment_chunks,
+                             check_state_chain)
 from cake_ops.ops.gdn import gdn_tapes_bytes
 
 
@@ -34,11 +36,24 @@ def gdn_fwd_full(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2no
 
 @torch.library.register_fake("cake::gdn_fwd_final_state")
 def gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                        segment_chunks=-1):
+                        segment_chunks=-1, doc_flags=None):
     T, H, K, HV, V, N = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, N, q.device)
     return q.new_empty(N, HV, K, V, dtype=torch.float32)
+
+
+@torch.library.register_fake("cake::gdn_state_chain")
+def gdn_state_chain(E, M, S_start, seg_cu):
+    check_state_chain(E, M, S_start, seg_cu)
+    return torch.empty_like(S_start)
+
+
+@torch.library.register_fake("cake::gdn_state_grad_chain")
+def gdn_state_grad_chain(F, B, dS_end, seg_cu):
+    check_state_chain(F, B, dS_end, seg_cu)
+    return torch.empty_like(dS_end)
 
 
 @torch.library.register_fake("cake::gdn_bwd")

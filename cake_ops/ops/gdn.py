@@ -1,6 +1,8 @@
 """The GDN ops ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` / ``cake::gdn_bwd``,
 ``cake::gdn_fwd_final_state`` and ``cake::gdn_bwd_initial_state`` (the final states
-alone and the initial states' gradient alone, for KCP) and the user entry point ``gdn``.
+alone and the initial states' gradient alone, for KCP), ``cake::gdn_state_chain`` and
+``cake::gdn_state_grad_chain`` (the cut walks' chains on given segment summaries, for
+KCP) and the user entry point ``gdn``.
 
 The ops work in the packed layout (q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV];
 ``cu_seqlens`` [N+1] on the device). ``cake::gdn_fwd`` carries the autograd formula, so
@@ -28,7 +30,7 @@ import torch
 from .. import checkpointing, dispatch, graphs
 from . import cuda_kernel
 from ..checks import (check_cu_seqlens_values, check_doc_flags, check_gdn, check_gdn_grads, check_scale,
-                      check_segment_chunks)
+                      check_segment_chunks, check_state_chain)
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
 
@@ -303,22 +305,24 @@ def gdn_fwd_final_state(
     use_qk_l2norm: bool,
     deterministic: bool,
     segment_chunks: int = -1,
+    doc_flags: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The final states alone: [N, HV, K, V] fp32, bitwise the final state of
-    ``cake::gdn_fwd`` on the same arguments. On the CUDA kernels it runs the forward's
+    ``cake::gdn_fwd`` on the same arguments (``doc_flags`` as that op's). On the CUDA kernels it runs the forward's
     plan, prep and cut summaries and chain, then walks only each document's last segment,
     without the output (no q, P~ or o: csrc/gdn/gdn.h ``gdn_fwd_final_state_walk_launch``).
     KCP's forward uses it for the summaries of the fragments another of their document
     follows (cake_ops/kcp/gdn.py); ``scale`` is checked but enters no state."""
     return _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                        deterministic, segment_chunks)
+                                        deterministic, segment_chunks, doc_flags)
 
 
 def _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                                 segment_chunks=-1):
+                                 segment_chunks=-1, doc_flags=None):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     check_cu_seqlens_values(cu_seqlens, T)
     effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
     return pytorch_gdn.gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, use_qk_l2norm)
@@ -326,17 +330,18 @@ def _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, sc
 
 @cuda_kernel("gdn_fwd_final_state")
 def _gdn_fwd_final_state_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                              segment_chunks=-1):
+                              segment_chunks=-1, doc_flags=None):
     check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)
     check_scale(scale)
     check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
         return _gdn_fwd_final_state_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                             deterministic)
     from .. import build
 
     return build.load().gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
-                                            effective_deterministic(deterministic), segment_chunks, -1)
+                                            effective_deterministic(deterministic), segment_chunks, -1, doc_flags)
 
 
 @torch.library.custom_op("cake::gdn_bwd", mutates_args=())
@@ -511,16 +516,92 @@ gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _setup_final_state(ctx, inputs, output):
-    *args, segment_chunks = inputs
-    _setup_context(ctx, (*args, False, segment_chunks, None), (None, output))
+    *args, segment_chunks, doc_flags = inputs
+    _setup_context(ctx, (*args, False, segment_chunks, doc_flags), (None, output))
 
 
 def _backward_final_state(ctx, dht):
     # The final states' gradient alone is the forward's with o's gradient zero.
-    return _backward(ctx, None, dht)[:-2]
+    return _backward(ctx, None, dht)[:-1]
 
 
 gdn_fwd_final_state.register_autograd(_backward_final_state, setup_context=_setup_final_state)
+
+
+@torch.library.custom_op("cake::gdn_state_chain", mutates_args=())
+def gdn_state_chain(E: torch.Tensor, M: torch.Tensor, S_start: torch.Tensor, seg_cu: torch.Tensor) -> torch.Tensor:
+    """The end states [N, HV, K, V] fp32 of a chain of segment summaries: per document n,
+    from ``S_start[n]`` through its segments' rows ``seg_cu[n] .. seg_cu[n + 1]`` of ``E``
+    [R, HV, K, V] and ``M`` [R, HV, K, K] (fp32), in order, S <- M_s S + E_s (S <- E_s
+    where M_s is all zeros: a truncated cut's). On the CUDA kernels it is the forward's
+    chain kernel, so with the summaries a cut call forms (E_s from zero and M_s from the
+    identity with v = 0, each segment a ``cake::gdn_fwd_final_state`` document flagged to
+    open and close inside its document) its bits are those the whole call's chain gives
+    the state after the segments. Deterministic KCP's relays (docs/kcp.md)."""
+    return _gdn_state_chain_pytorch(E, M, S_start, seg_cu)
+
+
+def _gdn_state_chain_pytorch(E, M, S_start, seg_cu):
+    check_state_chain(E, M, S_start, seg_cu)
+    return pytorch_gdn.state_chain(E, M, S_start, seg_cu)
+
+
+@cuda_kernel("gdn_state_chain")
+def _gdn_state_chain_cuda(E, M, S_start, seg_cu):
+    check_state_chain(E, M, S_start, seg_cu)
+    if S_start.shape[-1] != dispatch.GDN_CUDA_HEAD_DIM or S_start.shape[-2] != dispatch.GDN_CUDA_HEAD_DIM:
+        return pytorch_gdn.state_chain(E, M, S_start, seg_cu)
+    from .. import build
+
+    return build.load().gdn_state_chain(E, M, S_start, seg_cu)
+
+
+def _setup_state_chain(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _backward_state_chain(ctx, grad):
+    E, M, S_start, seg_cu = ctx.saved_tensors
+    return (*pytorch_gdn.state_chain_backward(grad, E, M, S_start, seg_cu), None)
+
+
+gdn_state_chain.register_autograd(_backward_state_chain, setup_context=_setup_state_chain)
+
+
+@torch.library.custom_op("cake::gdn_state_grad_chain", mutates_args=())
+def gdn_state_grad_chain(F: torch.Tensor, B: torch.Tensor, dS_end: torch.Tensor, seg_cu: torch.Tensor) -> torch.Tensor:
+    """The state gradients at the documents' starts [N, HV, K, V] fp32 from those at their
+    ends: per document n, from ``dS_end[n]`` back through its segments' rows ``seg_cu[n] ..
+    seg_cu[n + 1]`` of ``F`` [R, HV, K, V] and ``B`` [R, HV, K, K], the last first,
+    dS <- B_s dS + F_s (dS <- F_s where B_s is all zeros: a truncated cut's). On the CUDA
+    kernels it is the backward's chain kernel: with the summaries of the backward's
+    reverse walk (F_s from zero, B_s = M_s^T from the identity with do = 0: each segment a
+    ``cake::gdn_bwd_initial_state`` document flagged to open and close inside its
+    document) its bits are the whole call's chained gradient before the segments."""
+    return _gdn_state_grad_chain_pytorch(F, B, dS_end, seg_cu)
+
+
+def _gdn_state_grad_chain_pytorch(F, B, dS_end, seg_cu):
+    check_state_chain(F, B, dS_end, seg_cu)
+    return pytorch_gdn.state_grad_chain(F, B, dS_end, seg_cu)
+
+
+@cuda_kernel("gdn_state_grad_chain")
+def _gdn_state_grad_chain_cuda(F, B, dS_end, seg_cu):
+    check_state_chain(F, B, dS_end, seg_cu)
+    if dS_end.shape[-1] != dispatch.GDN_CUDA_HEAD_DIM or dS_end.shape[-2] != dispatch.GDN_CUDA_HEAD_DIM:
+        return pytorch_gdn.state_grad_chain(F, B, dS_end, seg_cu)
+    from .. import build
+
+    return build.load().gdn_state_grad_chain(F, B, dS_end, seg_cu)
+
+
+def _backward_state_grad_chain(ctx, grad):
+    F, B, dS_end, seg_cu = ctx.saved_tensors
+    return (*pytorch_gdn.state_grad_chain_backward(grad, F, B, dS_end, seg_cu), None)
+
+
+gdn_state_grad_chain.register_autograd(_backward_state_grad_chain, setup_context=_setup_state_chain)
 
 SAVE_MODES = ("light", "full")
 RECOMPUTE_OUTPUT = ("auto", "always")

@@ -298,3 +298,75 @@ def gdn_bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_
         dbeta.to(beta.dtype).contiguous(),
         dh0.contiguous(),
     )
+
+
+def _segment_docs(seg_cu: torch.Tensor, R: int) -> torch.Tensor:
+    """The document of each of R segment rows, from their offsets seg_cu [N + 1] (on the
+    device: no host read)."""
+    rows = torch.arange(R, device=seg_cu.device, dtype=seg_cu.dtype)
+    return torch.searchsorted(seg_cu[1:].contiguous(), rows, right=True)
+
+
+def state_chain(E, M, S_start, seg_cu, keep: bool = False):
+    """``cake::gdn_state_chain``: per document, S <- M_s S + E_s over its segment rows in
+    order, from S_start (fp32 [N, HV, K, V]; E [R, HV, K, V], M [R, HV, K, K]). A
+    truncated cut's M_s is zeros, and then M_s S + E_s is E_s. With ``keep``, also each
+    row's entering state [R, HV, K, V] (the backward's). One row a step, each a product
+    batched over the heads."""
+    docs = _segment_docs(seg_cu, E.shape[0])
+    S, entering = S_start.float().clone(), []
+    for j in range(E.shape[0]):
+        d = docs[j:j + 1]
+        before = S.index_select(0, d)
+        entering.append(before)
+        S = S.index_copy(0, d, torch.matmul(M[j:j + 1].float(), before) + E[j:j + 1].float())
+    if keep:
+        return S, (torch.cat(entering) if entering else S.new_zeros(0, *S.shape[1:]))
+    return S
+
+
+def state_chain_backward(grad, E, M, S_start, seg_cu):
+    """The gradients of ``state_chain``'s end states ``grad`` [N, HV, K, V] as to E, M
+    and S_start."""
+    docs = _segment_docs(seg_cu, E.shape[0])
+    _, entering = state_chain(E, M, S_start, seg_cu, keep=True)
+    lam, dE, dM = grad.float().clone(), torch.zeros_like(E, dtype=torch.float32), torch.zeros_like(M, dtype=torch.float32)
+    for j in reversed(range(E.shape[0])):
+        d = docs[j:j + 1]
+        l = lam.index_select(0, d)  # noqa: E741
+        dE[j:j + 1] = l
+        dM[j:j + 1] = torch.matmul(l, entering[j:j + 1].transpose(-1, -2))
+        lam = lam.index_copy(0, d, torch.matmul(M[j:j + 1].float().transpose(-1, -2), l))
+    return dE, dM, lam
+
+
+def state_grad_chain(F, B, dS_end, seg_cu, keep: bool = False):
+    """``cake::gdn_state_grad_chain``: per document, dS <- B_s dS + F_s over its segment
+    rows from the last, from dS_end (F [R, HV, K, V], B [R, HV, K, K]; a truncated cut's
+    B_s is zeros). With ``keep``, also each row's entering gradient."""
+    docs = _segment_docs(seg_cu, F.shape[0])
+    dS = dS_end.float().clone()
+    entering = [None] * F.shape[0]
+    for j in reversed(range(F.shape[0])):
+        d = docs[j:j + 1]
+        before = dS.index_select(0, d)
+        entering[j] = before
+        dS = dS.index_copy(0, d, torch.matmul(B[j:j + 1].float(), before) + F[j:j + 1].float())
+    if keep:
+        return dS, (torch.cat(entering) if entering else dS.new_zeros(0, *dS.shape[1:]))
+    return dS
+
+
+def state_grad_chain_backward(grad, F, B, dS_end, seg_cu):
+    """The gradients of ``state_grad_chain``'s start gradients ``grad`` as to F, B and
+    dS_end."""
+    docs = _segment_docs(seg_cu, F.shape[0])
+    _, entering = state_grad_chain(F, B, dS_end, seg_cu, keep=True)
+    mu, dF, dB = grad.float().clone(), torch.zeros_like(F, dtype=torch.float32), torch.zeros_like(B, dtype=torch.float32)
+    for j in range(F.shape[0]):
+        d = docs[j:j + 1]
+        m = mu.index_select(0, d)
+        dF[j:j + 1] = m
+        dB[j:j + 1] = torch.matmul(m, entering[j:j + 1].transpose(-1, -2))
+        mu = mu.index_copy(0, d, torch.matmul(B[j:j + 1].float().transpose(-1, -2), m))
+    return dF, dB, mu

@@ -13,6 +13,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/searchsorted.h>
+#include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/record_function.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -269,13 +272,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> gdn_fwd_full(
 at::Tensor gdn_fwd_final_state(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& g,
                                const at::Tensor& beta, const at::Tensor& cu_seqlens,
                                const std::optional<at::Tensor>& initial_state, double scale, bool use_qk_l2norm,
-                               bool deterministic, int64_t segment_chunks, int64_t value_splits) {
+                               bool deterministic, int64_t segment_chunks, int64_t value_splits,
+                               const std::optional<at::Tensor>& doc_flags) {
   constexpr const char* op = "gdn_fwd_final_state";
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
   const GdnPlan plan = check_and_plan_walk(op, s, q, initial_state, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/false);
-  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false);
+                                           segment_chunks, value_splits, /*backward=*/false, 1, false, doc_flags);
+  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, initial_state, scale, /*outputs=*/false,
+                                 nullptr, doc_flags);
   c.final_state = at::empty({plan.N, plan.HV, kGdnHeadDim, kGdnHeadDim}, q.options().dtype(at::kFloat));
   c.args.final_state = c.final_state.data_ptr<float>();
   c.args.walk_segments = kGdnWalkLast;
@@ -286,6 +291,112 @@ at::Tensor gdn_fwd_final_state(const at::Tensor& q, const at::Tensor& k, const a
   launch_stage(op, "cake::gdn_fwd_final_state/chain", gdn_fwd_chain_launch, c.args, stream);
   launch_stage(op, "cake::gdn_fwd_final_state/walk", gdn_fwd_final_state_walk_launch, c.args, stream);
   return c.final_state;
+}
+
+// The checks of a state chain's operands (cake::gdn_state_chain, gdn_state_grad_chain):
+// per segment the values X [R, HV, 128, 128] and the transfers T [R, HV, 128, 128], fp32;
+// per document the state it enters from [N, HV, 128, 128] fp32; its segments' rows seg_cu
+// [N + 1] int32 (from 0 to R, non-decreasing: the caller's), all on one device.
+void check_state_chain(const char* op, const at::Tensor& values, const at::Tensor& transfers,
+                       const at::Tensor& state, const at::Tensor& seg_cu) {
+  TORCH_CHECK(state.dim() == 4 && state.size(2) == kGdnHeadDim && state.size(3) == kGdnHeadDim &&
+                  state.scalar_type() == at::kFloat, op, ": the state must be float32 [N, HV, 128, 128], got ",
+              state.scalar_type(), " ", state.sizes());
+  const int64_t HV = state.size(1);
+  for (const auto& [t, name] : {std::pair{&values, "the segments' values"}, std::pair{&transfers, "transfers"}}) {
+    TORCH_CHECK(t->dim() == 4 && t->size(1) == HV && t->size(2) == kGdnHeadDim && t->size(3) == kGdnHeadDim &&
+                    t->scalar_type() == at::kFloat && t->size(0) == values.size(0),
+                op, ": ", name, " must be float32 [R, HV, 128, 128] with HV = ", HV, " and R = ", values.size(0),
+                ", got ", t->scalar_type(), " ", t->sizes());
+    check_same_device(*t, state, op, name, "the state");
+  }
+  TORCH_CHECK(seg_cu.dim() == 1 && seg_cu.numel() == state.size(0) + 1 && seg_cu.scalar_type() == at::kInt, op,
+              ": seg_cu must be int32 [N + 1] = [", state.size(0) + 1, "], got ", seg_cu.scalar_type(), " ",
+              seg_cu.sizes());
+  check_same_device(seg_cu, state, op, "seg_cu", "the state");
+}
+
+// cake::gdn_state_chain on the forward's chain kernel (fwd_chain.cu): per document n, from
+// S_start[n] through its segments' summaries (rows seg_cu[n] .. seg_cu[n + 1] of E and M),
+// S <- M_s S + E_s, or S <- E_s where M_s is all zeros (a truncated cut's, as the
+// final-state op walked from the identity with v = 0 gives it): the end state. The
+// kernel's pieces per document are a slot of its start state, then one per segment, so
+// that a document of R_n segments takes the chain's path of one with R_n + 2 (the empty
+// first and last of doc_flags, gdn.h): the same FMAs in the same order.
+at::Tensor gdn_state_chain(const at::Tensor& E, const at::Tensor& M, const at::Tensor& S_start,
+                           const at::Tensor& seg_cu) {
+  constexpr const char* op = "gdn_state_chain";
+  check_state_chain(op, E, M, S_start, seg_cu);
+  const c10::cuda::OptionalCUDAGuard device_guard(S_start.device());
+  const int64_t N = S_start.size(0), R = E.size(0), HV = S_start.size(1);
+  if (N == 0 || R == 0) return S_start.clone();
+  const auto idx = S_start.options().dtype(at::kLong);
+  const at::Tensor cu = seg_cu.to(at::kLong);
+  const at::Tensor docs = at::arange(N, idx);
+  const at::Tensor rows = at::arange(R, idx);
+  // Row j of E belongs to document searchsorted(seg_cu[1:], j, right) and sits one slot
+  // after its start state's.
+  const at::Tensor row_slots = rows.add(at::searchsorted(cu.narrow(0, 1, N), rows, false, true)).add(1);
+  at::Tensor state = at::empty({R + N, HV, kGdnHeadDim, kGdnHeadDim}, S_start.options());
+  state.index_copy_(0, cu.narrow(0, 0, N).add(docs), S_start.contiguous());
+  state.index_copy_(0, row_slots, E.contiguous());
+  at::Tensor transfer = at::zeros(state.sizes(), state.options());
+  transfer.index_copy_(0, row_slots, M.transpose(-1, -2).contiguous());  // the kernel reads M_s^T
+  at::Tensor exact = at::zeros({R + N, HV}, S_start.options().dtype(at::kInt));
+  exact.index_copy_(0, row_slots, M.ne(0).flatten(2).any(-1).to(at::kInt));
+  const at::Tensor seg_offsets = cu.add(at::arange(N + 1, idx), 2).to(at::kInt);
+  const at::Tensor chain_docs = docs.to(at::kInt);
+  GdnFwdArgs a{};
+  a.N = N;
+  a.HV = HV;
+  a.seg_offsets = const_cast<int32_t*>(seg_offsets.data_ptr<int32_t>());
+  a.seg_state = state.data_ptr<float>();
+  a.seg_transfer = transfer.data_ptr<float>();
+  a.seg_exact = exact.data_ptr<int32_t>();
+  a.chain_docs = const_cast<int32_t*>(chain_docs.data_ptr<int32_t>());
+  RECORD_FUNCTION("cake::gdn_state_chain/chain", std::vector<c10::IValue>());
+  const cudaError_t err = gdn_state_chain_launch(a, N, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  return state.index_select(0, cu.narrow(0, 1, N).add(docs));  // slot R_n of document n: its end
+}
+
+// cake::gdn_state_grad_chain on the backward's chain kernel (bwd_chain.cu): per document
+// n, from dS_end[n] back through its segments (rows seg_cu[n] .. seg_cu[n + 1] of F and B,
+// the last first), dS <- B_s dS + F_s, or dS <- F_s where B_s is all zeros (a truncated
+// cut's): the gradient at its start. The kernel's pieces per document are one cut slot a
+// segment (the cut before it), so that a document of R_n segments takes the chain's path
+// of one with an empty first segment and R_n real ones after it.
+at::Tensor gdn_state_grad_chain(const at::Tensor& F, const at::Tensor& B, const at::Tensor& dS_end,
+                                const at::Tensor& seg_cu) {
+  constexpr const char* op = "gdn_state_grad_chain";
+  check_state_chain(op, F, B, dS_end, seg_cu);
+  const c10::cuda::OptionalCUDAGuard device_guard(dS_end.device());
+  const int64_t N = dS_end.size(0), R = F.size(0), HV = dS_end.size(1);
+  if (N == 0 || R == 0) return dS_end.clone();
+  const auto idx = dS_end.options().dtype(at::kLong);
+  const at::Tensor cu = seg_cu.to(at::kLong);
+  at::Tensor grad = F.clone(at::MemoryFormat::Contiguous);
+  const at::Tensor transfer = B.transpose(-1, -2).contiguous();  // the kernel reads columns of B's rows
+  at::Tensor exact = B.ne(0).flatten(2).any(-1).to(at::kInt);
+  const at::Tensor seg_offsets = cu.add(at::arange(N + 1, idx)).to(at::kInt);
+  const at::Tensor dht = dS_end.contiguous();
+  GdnBwdWalkArgs a{};
+  a.N = N;
+  a.HV = HV;
+  a.HV_stride = HV;
+  a.dht = dht.data_ptr<float>();
+  a.seg_offsets = seg_offsets.data_ptr<int32_t>();
+  a.seg_grad = grad.data_ptr<float>();
+  a.seg_transfer = const_cast<float*>(transfer.data_ptr<float>());
+  a.seg_exact = exact.data_ptr<int32_t>();
+  a.inner_slots = R;
+  RECORD_FUNCTION("cake::gdn_state_grad_chain/chain", std::vector<c10::IValue>());
+  const cudaError_t err = gdn_bwd_chain_launch(a, c10::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+  // A document with segments ends its chain at its first cut slot; one without is dS_end.
+  const at::Tensor first = cu.narrow(0, 0, N);
+  const at::Tensor has = cu.narrow(0, 1, N).gt(first).view({N, 1, 1, 1});
+  return at::where(has, grad.index_select(0, first.clamp_max(R - 1)), dht);
 }
 
 // A piece of a call's workspace as a tensor view.
@@ -902,7 +1013,9 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
   m.def(
       "gdn_fwd_final_state(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
-      "int value_splits=-1) -> Tensor");
+      "int value_splits=-1, Tensor? doc_flags=None) -> Tensor");
+  m.def("gdn_state_chain(Tensor E, Tensor M, Tensor S_start, Tensor seg_cu) -> Tensor");
+  m.def("gdn_state_grad_chain(Tensor F, Tensor B, Tensor dS_end, Tensor seg_cu) -> Tensor");
   m.def(
       "gdn_fwd_full(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
@@ -923,4 +1036,6 @@ TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
   m.impl("gdn_fwd_full", &cake::gdn_fwd_full);
   m.impl("gdn_bwd_initial_state", &cake::gdn_bwd_initial_state);
   m.impl("gdn_fwd_final_state", &cake::gdn_fwd_final_state);
+  m.impl("gdn_state_chain", &cake::gdn_state_chain);
+  m.impl("gdn_state_grad_chain", &cake::gdn_state_grad_chain);
 }

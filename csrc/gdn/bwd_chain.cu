@@ -76,14 +76,18 @@ __global__ void __launch_bounds__(kGdnHeadDim) gdn_bwd_chain_kernel(const GdnBwd
 
 }  // namespace
 
+cudaError_t gdn_bwd_chain_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
+  if (p.N <= 0 || p.HV <= 0 || p.inner_slots <= 0) return cudaSuccess;
+  gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kGdnChainTiles), kGdnHeadDim, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
 cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& p, cudaStream_t stream) {
   if (p.N <= 0 || p.HV <= 0) return cudaSuccess;
   if (p.inner_slots > 0) {
-    const cudaError_t err = gdn_bwd_reverse_summary_launch(p, stream);
+    cudaError_t err = gdn_bwd_reverse_summary_launch(p, stream);
+    if (err == cudaSuccess) err = gdn_bwd_chain_launch(p, stream);
     if (err != cudaSuccess) return err;
-    gdn_bwd_chain_kernel<<<static_cast<unsigned>(p.inner_slots * p.HV * kGdnChainTiles), kGdnHeadDim, 0, stream>>>(p);
-    const cudaError_t launched = cudaGetLastError();
-    if (launched != cudaSuccess) return launched;
   }
   return gdn_bwd_reverse_walk_launch(p, stream);
 }

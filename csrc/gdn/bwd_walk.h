@@ -93,6 +93,9 @@ struct GdnBwdWalkArgs {
 
 // Summaries, chain, tape walk (bwd_chain.cu).
 cudaError_t gdn_bwd_walk_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
+// The chain alone (also cake::gdn_state_grad_chain's, on caller-made pieces): it reads N,
+// HV, HV_stride, dht, seg_offsets, seg_grad, seg_transfer, seg_exact and inner_slots only.
+cudaError_t gdn_bwd_chain_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
 // The summaries and the tape walk on the forward walk's CTA (fwd_walk.cu).
 cudaError_t gdn_bwd_reverse_summary_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);
 cudaError_t gdn_bwd_reverse_walk_launch(const GdnBwdWalkArgs& args, cudaStream_t stream);

@@ -77,12 +77,16 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
 
 }  // namespace
 
-cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& p, cudaStream_t stream) {
-  if (p.seg_chunks <= 0 || p.N <= 0 || p.HV <= 0) return cudaSuccess;
-  const int64_t blocks = gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks, p.doc_flags != nullptr) * p.HV * kGdnChainTiles;
-  if (blocks == 0) return cudaSuccess;
+cudaError_t gdn_state_chain_launch(const GdnFwdArgs& p, int64_t chain_slots, cudaStream_t stream) {
+  const int64_t blocks = chain_slots * p.HV * kGdnChainTiles;
+  if (p.N <= 0 || blocks <= 0) return cudaSuccess;
   gdn_fwd_chain_kernel<<<static_cast<unsigned>(blocks), kChainThreads, 0, stream>>>(p);
   return cudaGetLastError();
+}
+
+cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& p, cudaStream_t stream) {
+  if (p.seg_chunks <= 0) return cudaSuccess;
+  return gdn_state_chain_launch(p, gdn_fwd_chain_doc_slots(p.T, p.N, p.seg_chunks, p.doc_flags != nullptr), stream);
 }
 
 }  // namespace cake

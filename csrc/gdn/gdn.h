@@ -205,6 +205,10 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_prep_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_summary_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& args, cudaStream_t stream);
+// The chain alone on caller-made pieces (cake::gdn_state_chain, binding.cpp): the chain
+// kernel over chain_slots entries of chain_docs; it reads N, HV, seg_offsets, seg_state,
+// seg_transfer, seg_exact and chain_docs only.
+cudaError_t gdn_state_chain_launch(const GdnFwdArgs& args, int64_t chain_slots, cudaStream_t stream);
 cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);  // the walk in tape mode
 // The final states alone (gdn_fwd_final_state): in place of the walk, each document's last

@@ -324,6 +324,73 @@ def test_doc_flags_grid_class_pieces_are_the_whole_calls_bits(ops, middle, cut, 
                                (own(lengths[0]), 2 | klass), (1 | klass, own(lengths[2])))
 
 
+@pytest.mark.parametrize("segment_chunks, a, b, gate", [(-1, 4096, 12288, "normal"), (8, 1024, 6144, "normal"),
+                                                     (8, 1024, 6144, "window4")])
+@pytest.mark.parametrize("G", [1, 3])
+def test_relay_pieces_from_segment_summaries_are_the_whole_calls_bits(ops, segment_chunks, a, b, gate, G):
+    """A document cut on its grid into three pieces, the middle one (a relay, opening and
+    closing inside it) chained from its segments' summaries alone: E_s and M_s as final
+    states of its segments taken as documents (doc_flags 3; from zero, and from the
+    identity with v = 0), S_end by cake::gdn_state_chain from the left piece's final
+    state; in the backward F_s and B_s as the segments' dh0 (do with no dht, and dht = I
+    with do = 0), dS_start by cake::gdn_state_grad_chain from the right piece's dh0. The
+    chains give the relay call's own final state and dh0 bitwise, and the three pieces'
+    calls give the whole call's outputs, final states and gradients bitwise (deterministic
+    KCP's relays, docs/kcp.md); forced grids with exact and truncated cuts; NaN-poisoned."""
+    lengths = (300, 13288, 500)
+    case = GdnCase(f"relay_{gate}", lengths, H=2, G=G, l2norm=True, initial_state=True)
+    inp = case.inputs("cuda")
+    if gate == "window4":
+        inp["g"] = torch.full_like(inp["g"], -0.08)  # windows of 4 chunks: truncated cuts
+    do, dht = _grad_inputs(inp, 43)
+    q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
+    plan = (128**-0.5, True, True, segment_chunks, -1)
+    grid = 64 * (64 if segment_chunks == -1 else segment_chunks)  # the document's grid, in tokens
+    HV, D, T = v.shape[1], 128, sum(lengths)
+    A, Bt = lengths[0] + a, lengths[0] + b  # the cuts, token rows
+
+    def cu(*n):
+        return torch.tensor([0, *torch.tensor(n).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    def flags(*f):
+        return torch.tensor(f, dtype=torch.uint8, device="cuda")
+
+    left, mid, right = slice(0, A), slice(A, Bt), slice(Bt, T)
+    xs = lambda rows: tuple(x[rows] for x in (q, k, v, g, beta))  # noqa: E731
+    R = (b - a) // grid
+    cu_seg, fl_seg, seg_cu = cu(*[grid] * R), flags(*[3] * R), torch.tensor([0, R], dtype=torch.int32, device="cuda")
+    eye = torch.eye(D, device="cuda").expand(R, HV, D, D).contiguous()
+    whole_o, whole_final = ops.gdn_fwd(q, k, v, g, beta, inp["cu_seqlens"], h0, *plan)
+    whole = ops.gdn_bwd(do, dht, q, k, v, g, beta, inp["cu_seqlens"], h0, *plan, -1, None)
+    with poisoned_allocations():
+        out_l = ops.gdn_fwd(*xs(left), cu(lengths[0], a), h0[:2].contiguous(), *plan, flags(0, 2))
+        S_a = out_l[1][1:2].contiguous()
+        qm, km, vm, gm, bm = xs(mid)
+        E = ops.gdn_fwd_final_state(qm, km, vm, gm, bm, cu_seg, None, *plan, fl_seg)
+        M = ops.gdn_fwd_final_state(qm, km, torch.zeros_like(vm), gm, bm, cu_seg, eye, *plan, fl_seg)
+        S_b = ops.gdn_state_chain(E, M, S_a, seg_cu)
+        out_m = ops.gdn_fwd(qm, km, vm, gm, bm, cu(b - a), S_a, *plan, flags(3))
+        h0_r = torch.cat([S_b, h0[2:]])
+        out_r = ops.gdn_fwd(*xs(right), cu(lengths[1] - b, lengths[2]), h0_r, *plan, flags(1, 0))
+        grads_r = ops.gdn_bwd(do[right], dht[1:].contiguous(), *xs(right), cu(lengths[1] - b, lengths[2]), h0_r,
+                              *plan, -1, None, flags(1, 0))
+        dS_b = grads_r[5][0:1].contiguous()
+        F = ops.gdn_bwd_initial_state(do[mid], None, qm, km, gm, bm, cu_seg, *plan, fl_seg)
+        B = ops.gdn_bwd_initial_state(torch.zeros_like(do[mid]), eye, qm, km, gm, bm, cu_seg, *plan, fl_seg)
+        dS_a = ops.gdn_state_grad_chain(F, B, dS_b, seg_cu)
+        grads_m = ops.gdn_bwd(do[mid], dS_b, qm, km, vm, gm, bm, cu(b - a), S_a, *plan, -1, None, flags(3))
+        dht_l = torch.cat([dht[0:1], dS_a])
+        grads_l = ops.gdn_bwd(do[left], dht_l, *xs(left), cu(lengths[0], a), h0[:2].contiguous(), *plan, -1, None,
+                              flags(0, 2))
+    assert torch.equal(S_b, out_m[1]), "the chain of the summaries is not the relay call's chained end"
+    assert torch.equal(dS_a, grads_m[5]), "the gradient chain is not the relay call's dh0"
+    assert torch.equal(torch.cat([out_l[0], out_m[0], out_r[0]]), whole_o)
+    assert torch.equal(torch.stack([out_l[1][0], out_r[1][0], out_r[1][1]]), whole_final)
+    for i, name in enumerate(GRADS[:5]):
+        assert torch.equal(torch.cat([grads_l[i], grads_m[i], grads_r[i]]), whole[i]), name
+    assert torch.equal(torch.stack([grads_l[5][0], grads_l[5][1], grads_r[5][1]]), whole[5]), "dh0"
+
+
 def test_doc_flags_bits_the_call_cannot_honour_stop_the_kernels(ops):
     """A half-grid bit in a call without a half grid (HV = 48) fails the call with an
     assert naming doc_flags, on the device (its own process: the CUDA context is unusable

@@ -441,3 +441,63 @@ def test_gdn_bwd_initial_state_names_a_bad_do():
     with pytest.raises(ValueError, match="do must be"):
         torch.ops.cake.gdn_bwd_initial_state(torch.zeros(2, 4, 16, dtype=torch.bfloat16), None, i["q"], i["k"],
                                              i["g"], i["beta"], i["cu_seqlens"], 0.25, False, True)
+
+
+def _chain_operands(device, seed=3):
+    """Per-segment summaries of three documents of 2, 0 and 3 segments (HV = 2, K = V =
+    128); the second segment of the last document a truncated cut's (its transfer zero)."""
+    gen = torch.Generator().manual_seed(seed)
+    seg_cu = torch.tensor([0, 2, 2, 5], dtype=torch.int32)
+    R, N, HV, D = 5, 3, 2, 128
+    values = torch.randn(R, HV, D, D, generator=gen)
+    transfers = torch.randn(R, HV, D, D, generator=gen) / D**0.5
+    transfers[3] = 0
+    state = torch.randn(N, HV, D, D, generator=gen)
+    return [x.to(device) for x in (values, transfers, state, seg_cu)]
+
+
+def _dense_chain(values, transfers, state, seg_cu, reverse):
+    """The chains in float64, one document and segment at a time."""
+    cu, out = seg_cu.tolist(), []
+    for n in range(len(cu) - 1):
+        rows, s = range(cu[n], cu[n + 1]), state[n].double()
+        for j in (reversed(rows) if reverse else rows):
+            s = transfers[j].double() @ s + values[j].double()
+        out.append(s)
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("op, reverse", [("gdn_state_chain", False), ("gdn_state_grad_chain", True)])
+def test_state_chains_are_the_dense_chain(device, op, reverse):
+    """cake::gdn_state_chain (per document, S <- M_s S + E_s over its segments in order)
+    and cake::gdn_state_grad_chain (dS <- B_s dS + F_s from its last segment): against
+    float64 chains, a document without segments passing its state through and a zero
+    transfer (a truncated cut) giving the values alone; outputs NaN-poisoned; their
+    autograd against float64 autograd of the dense chain; opcheck."""
+    values, transfers, state, seg_cu = _chain_operands(device)
+    fn = getattr(torch.ops.cake, op)
+    with poisoned_allocations():
+        got = fn(values, transfers, state, seg_cu)
+    want = _dense_chain(values, transfers, state, seg_cu, reverse)
+    assert got.dtype == torch.float32 and got.shape == state.shape
+    assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4), (got.double() - want).abs().max()
+    assert torch.equal(got[1], state[1])
+    leaves = [x.detach().requires_grad_() for x in (values, transfers, state)]
+    seed = torch.randn_like(got)
+    grads = torch.autograd.grad(fn(*leaves, seg_cu), leaves, seed)
+    dense = [x.detach().double().requires_grad_() for x in (values, transfers, state)]
+    wants = torch.autograd.grad(_dense_chain(*dense, seg_cu, reverse), dense, seed.double())
+    for name, a, b in zip(("values", "transfers", "state"), grads, wants):
+        assert torch.allclose(a.double(), b, rtol=1e-4, atol=1e-3), (name, (a.double() - b).abs().max())
+    torch.library.opcheck(fn.default, (values, transfers, state, seg_cu))
+
+
+def test_state_chain_errors_name_the_argument():
+    values, transfers, state, seg_cu = _chain_operands("cpu")
+    with pytest.raises(ValueError, match="transfers must have shape"):
+        torch.ops.cake.gdn_state_chain(values, transfers[:, :, :64], state, seg_cu)
+    with pytest.raises(ValueError, match="seg_cu must have shape"):
+        torch.ops.cake.gdn_state_grad_chain(values, transfers, state, seg_cu[:3])
+    with pytest.raises(TypeError, match="seg_cu must have dtype"):
+        torch.ops.cake.gdn_state_chain(values, transfers, state, seg_cu.long())
