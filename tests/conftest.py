@@ -1,3 +1,7 @@
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,6 +11,22 @@ HAS_CUDA = torch.cuda.is_available()
 
 # Worst accuracy seen per tensor name over the whole session, printed at the end.
 _WORST: dict[str, Accuracy] = {}
+
+
+def device_assert_output(setup: str, call: str) -> str:
+    """Runs ``setup`` and then ``call`` (Python lines, with torch, cake_ops and
+    cake_ops.testing.make_gdn_inputs imported) in a fresh process from the repository
+    root, since a device-side assert leaves the CUDA context unusable; ``call`` must fail
+    with a RuntimeError by the next synchronize. Returns the process's output."""
+    body = "\n".join("    " + line for line in call.strip().splitlines())
+    program = (f"import torch, cake_ops\nfrom cake_ops.testing import make_gdn_inputs\n{setup.strip()}\ntry:\n"
+               f"{body}\n    torch.cuda.synchronize()\nexcept RuntimeError as e:\n    print('RAISED', e)\n"
+               f"    raise SystemExit(3)\nprint('NO ERROR')\n")
+    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
+                          cwd=Path(__file__).resolve().parents[1])
+    out = done.stdout + done.stderr
+    assert done.returncode == 3, out
+    return out
 
 
 def record_accuracy(name: str, acc: Accuracy) -> None:

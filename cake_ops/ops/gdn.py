@@ -546,14 +546,20 @@ def _gdn_state_chain_pytorch(E, M, S_start, seg_cu):
     return pytorch_gdn.state_chain(E, M, S_start, seg_cu)
 
 
-@cuda_kernel("gdn_state_chain")
-def _gdn_state_chain_cuda(E, M, S_start, seg_cu):
-    check_state_chain(E, M, S_start, seg_cu)
-    if S_start.shape[-1] != dispatch.GDN_CUDA_HEAD_DIM or S_start.shape[-2] != dispatch.GDN_CUDA_HEAD_DIM:
-        return pytorch_gdn.state_chain(E, M, S_start, seg_cu)
+def _state_chain_cuda(name, pytorch_fn, values, transfers, state, seg_cu):
+    """A chain op on CUDA tensors: the extension's chain kernel for K = V = 128 (the
+    kernels' head dim), else the PyTorch path."""
+    check_state_chain(values, transfers, state, seg_cu)
+    if state.shape[-1] != dispatch.GDN_CUDA_HEAD_DIM or state.shape[-2] != dispatch.GDN_CUDA_HEAD_DIM:
+        return pytorch_fn(values, transfers, state, seg_cu)
     from .. import build
 
-    return build.load().gdn_state_chain(E, M, S_start, seg_cu)
+    return getattr(build.load(), name)(values, transfers, state, seg_cu)
+
+
+@cuda_kernel("gdn_state_chain")
+def _gdn_state_chain_cuda(E, M, S_start, seg_cu):
+    return _state_chain_cuda("gdn_state_chain", pytorch_gdn.state_chain, E, M, S_start, seg_cu)
 
 
 def _setup_state_chain(ctx, inputs, output):
@@ -588,12 +594,7 @@ def _gdn_state_grad_chain_pytorch(F, B, dS_end, seg_cu):
 
 @cuda_kernel("gdn_state_grad_chain")
 def _gdn_state_grad_chain_cuda(F, B, dS_end, seg_cu):
-    check_state_chain(F, B, dS_end, seg_cu)
-    if dS_end.shape[-1] != dispatch.GDN_CUDA_HEAD_DIM or dS_end.shape[-2] != dispatch.GDN_CUDA_HEAD_DIM:
-        return pytorch_gdn.state_grad_chain(F, B, dS_end, seg_cu)
-    from .. import build
-
-    return build.load().gdn_state_grad_chain(F, B, dS_end, seg_cu)
+    return _state_chain_cuda("gdn_state_grad_chain", pytorch_gdn.state_grad_chain, F, B, dS_end, seg_cu)
 
 
 def _backward_state_grad_chain(ctx, grad):

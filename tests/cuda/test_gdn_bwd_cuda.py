@@ -9,10 +9,6 @@ torch.compile(fullgraph=True). Every test is marked ``gpu``.
 """
 
 import random
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -22,7 +18,7 @@ from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, poisoned_allocations
 
 from cases import GdnCase, params
-from conftest import record_accuracy
+from conftest import device_assert_output, record_accuracy
 from green_contexts import on_green_context, slowdown_on
 
 pytestmark = pytest.mark.gpu
@@ -395,24 +391,11 @@ def test_doc_flags_bits_the_call_cannot_honour_stop_the_kernels(ops):
     """A half-grid bit in a call without a half grid (HV = 48) fails the call with an
     assert naming doc_flags, on the device (its own process: the CUDA context is unusable
     afterwards)."""
-    program = """
-import torch, cake_ops
-from cake_ops.testing import make_gdn_inputs
-inp = make_gdn_inputs([300, 500], 1, 48, 128, 128, device="cuda", seed=0)
-flags = torch.tensor([4, 0], dtype=torch.uint8, device="cuda")
-try:
-    torch.ops.cake_cuda.gdn_fwd(*(inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), None, 128**-0.5,
-                                False, True, -1, -1, flags)
-    torch.cuda.synchronize()
-except RuntimeError as e:
-    print("RAISED", e)
-    raise SystemExit(3)
-print("NO ERROR")
-"""
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
-    out = done.stdout + done.stderr
-    assert done.returncode == 3, out
+    out = device_assert_output(
+        "inp = make_gdn_inputs([300, 500], 1, 48, 128, 128, device='cuda', seed=0)\n"
+        "flags = torch.tensor([4, 0], dtype=torch.uint8, device='cuda')",
+        "torch.ops.cake_cuda.gdn_fwd(*(inp[n] for n in ('q', 'k', 'v', 'g', 'beta', 'cu_seqlens')), None, "
+        "128**-0.5, False, True, -1, -1, flags)")
     assert "doc_flags[0] = 4: its bits must be of 1, 2, 4, 8" in out, out
 
 

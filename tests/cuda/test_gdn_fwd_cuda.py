@@ -8,10 +8,6 @@ exact and truncated cuts; the deterministic grid; the same bits on 16 and 64 SMs
 against FP64). Every test is marked ``gpu`` and skipped without a Hopper GPU.
 """
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,7 +19,7 @@ from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
 from cases import GdnCase
 from green_contexts import on_green_context, timed
-from conftest import record_accuracy
+from conftest import device_assert_output, record_accuracy
 
 pytestmark = pytest.mark.gpu
 
@@ -425,23 +421,10 @@ def test_bad_cu_seqlens_values_stop_the_kernels(ops, cu):
     """The kernels' plan stage checks cu_seqlens's values on the device (no torch check
     kernels, no host sync): a bad array fails the call with an assert naming it. The CUDA
     context is unusable afterwards, so each case runs in its own process."""
-    program = f"""
-import torch, cake_ops
-from cake_ops.testing import make_gdn_inputs
-inp = make_gdn_inputs([50, 80], 1, 2, 128, 128, device="cuda", seed=0)
-cu = torch.tensor({cu}, dtype=torch.int32, device="cuda")
-try:
-    cake_ops.gdn(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], cu)
-    torch.cuda.synchronize()
-except RuntimeError as e:
-    print("RAISED", e)
-    raise SystemExit(3)
-print("NO ERROR")
-"""
-    done = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=300,
-                          cwd=Path(__file__).resolve().parents[2])
-    out = done.stdout + done.stderr
-    assert done.returncode == 3, out
+    out = device_assert_output(
+        f"inp = make_gdn_inputs([50, 80], 1, 2, 128, 128, device='cuda', seed=0)\n"
+        f"cu = torch.tensor({cu}, dtype=torch.int32, device='cuda')",
+        "cake_ops.gdn(inp['q'], inp['k'], inp['v'], inp['g'], inp['beta'], cu)")
     assert "cu_seqlens must start at 0, be non-decreasing and end at T = 130" in out, out
 
 
