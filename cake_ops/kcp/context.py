@@ -183,6 +183,18 @@ class KcpContext:
         return tuple(tuple(s for s in self.sources[r] if s not in self.leads[r]) for r in range(self.world))
 
     @functools.cached_property
+    def tails(self) -> tuple[tuple[int, ...], ...]:
+        """Per rank, the slots of its sinks that are no source (the last fragments of the
+        documents that cross a rank boundary), ascending."""
+        return tuple(tuple(s for s in self.sinks[r] if s not in self.sources[r]) for r in range(self.world))
+
+    @functools.cached_property
+    def has_relays(self) -> bool:
+        """Whether a document spans three ranks or more (some rank holds a relay): then
+        deterministic ``gdn_kcp`` calls chain by neighbour hops (docs/kcp.md)."""
+        return any(self.relays)
+
+    @functools.cached_property
     def source_slots(self) -> int:
         """The most source fragments a rank holds."""
         return max(len(s) for s in self.sources)
@@ -206,6 +218,17 @@ class KcpContext:
         key = ("chain", device)
         if key not in self._tables:
             self._tables[key] = _chain_tables(self, device)
+        return self._tables[key]
+
+    def relay_segments(self, device: torch.device, HV: int, segment_chunks: int) -> SubBatch:
+        """This rank's relays' rows cut into the grid segments of their walks, each segment
+        a document of the sub-batch (``seg_cu``: each relay's segments' rows among them),
+        flagged to open and close inside its document and, on the plan's grid
+        (``segment_chunks`` = -1), of the relay's document's grid class: the summaries of
+        those segments are the ones a call on the relay chains (docs/kcp.md, "Relays")."""
+        key = ("relay_segments", device, HV, segment_chunks)
+        if key not in self._tables:
+            self._tables[key] = _relay_segments(self, device, HV, segment_chunks)
         return self._tables[key]
 
     def ring_tables(self, device: torch.device) -> tuple[RingStep, ...]:
@@ -258,7 +281,8 @@ class KcpContext:
 
 
 def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, output_final_state: bool = False,
-                   conv_channels: int | None = None, exchange: str = "a2a", save_transfer: bool = True) -> dict[str, int]:
+                   conv_channels: int | None = None, exchange: str = "a2a", save_transfer: bool = True,
+                   deterministic: bool = True) -> dict[str, int]:
     """Bytes this rank puts into each collective of one ``gdn_kcp`` forward+backward with
     HV value heads of dims K, V (and, with ``conv_channels`` = D, one ``short_conv_kcp``
     of D channels), by collective: the all-gathers (each rank receives W times its
@@ -268,11 +292,13 @@ def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, outp
     final states and of the conv tails, the adjoints of their gathers). With
     ``exchange="ring"`` the chain's states and their gradients go instead by neighbour
     shifts, one a step of the chain, summed here over the steps (this rank's own
-    documents' hops: the one count that differs between the ranks). Only the plan enters,
-    never the sequence length. A collective the plan does not need is absent."""
+    documents' hops: the one count that differs between the ranks); so do deterministic
+    calls where a document spans three ranks or more (``KcpContext.has_relays``), in
+    either exchange. Only the plan enters, never the sequence length. A collective the
+    plan does not need is absent."""
     out = {}
     state = HV * K * V * 4
-    if exchange == "ring":
+    if exchange == "ring" or (deterministic and ctx.has_relays):
         steps = ctx.ring_tables(ctx.cu_seqlens.device)
         if steps:
             out["gdn chain states, forward shifts"] = sum(s.src_frags.numel() for s in steps) * state
@@ -299,9 +325,9 @@ class ChainTables:
     *lead* sources (sources, followed by another fragment of their document, that start
     their document: their start state is known before any exchange), ``relay``, its other
     sources (preceded and followed by fragments of their document), ``rest``, every
-    fragment that is not a lead source, and ``sinks``, its sink fragments (preceded by
+    fragment that is not a lead source, ``sinks``, its sink fragments (preceded by
     another of their document: their start states' gradients are exchanged in the
-    backward); ``lead_sources``, ``relay_sources``: the lead and relay sources' places
+    backward), and ``tails``, its sinks that are no source; ``lead_sources``, ``relay_sources``: the lead and relay sources' places
     among this rank's sources (ascending slots, the order of its summaries);
     ``lead_docs``: the lead sources' documents; ``steps[p]``: (the documents with a p-th source, those sources' flat slots
     rank * source_slots + j in the gathered summaries, the flat slots rank * sink_slots + j
@@ -318,6 +344,7 @@ class ChainTables:
     relay: SubBatch
     rest: SubBatch
     sinks: SubBatch
+    tails: SubBatch
     lead_sources: torch.Tensor
     relay_sources: torch.Tensor
     lead_docs: torch.Tensor
@@ -350,6 +377,7 @@ class SubBatch:
     tokens: int
     doc_flags: torch.Tensor  # uint8 per fragment: OPENS_INSIDE, CLOSES_INSIDE (gdn.h)
     doc_chunks: tuple[int, ...]
+    seg_cu: torch.Tensor | None = None  # relay_segments: each relay's rows among the segments (int32)
     _grid_flags: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
     def grid_flags(self, HV: int) -> torch.Tensor:
@@ -415,6 +443,7 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
     return ChainTables(
         lead=sub_batch(leads), relay=sub_batch(relays),
         rest=sub_batch([s for s in range(len(frags)) if s not in leads]), sinks=sub_batch(my_sinks),
+        tails=sub_batch(ctx.tails[ctx.rank]),
         lead_sources=as_index([j for j, s in enumerate(my_sources) if s in leads]),
         relay_sources=as_index([j for j, s in enumerate(my_sources) if s in relays]),
         lead_docs=as_index([frags[s].doc for s in leads]),
@@ -435,8 +464,9 @@ class RingStep:
     ``recv_frags``: the local fragments whose start states arrive, in arrival order (by
     source rank, then document); ``recv_splits``: how many come from each rank;
     ``src_pos``: the sent sources' places among the step's documents (``ChainTables.steps``
-    order), ``documents``: how many documents the step has. The backward runs the steps in
-    reverse with the splits swapped."""
+    order), ``documents``: how many documents the step has; ``relay_sends``,
+    ``relay_receives``: whether one of the sent sources, or of the receiving fragments, is
+    a relay of this rank. The backward runs the steps in reverse with the splits swapped."""
 
     src_frags: torch.Tensor
     src_slots: torch.Tensor
@@ -445,11 +475,39 @@ class RingStep:
     send_splits: tuple[int, ...]
     recv_frags: torch.Tensor
     recv_splits: tuple[int, ...]
+    relay_sends: bool = False  # a relay of this rank sends its end state at this step
+    relay_receives: bool = False  # a relay of this rank receives its start state at this step
+
+
+def _relay_segments(ctx: KcpContext, device: torch.device, HV: int, segment_chunks: int) -> SubBatch:
+    frags, cu_g = ctx.fragments[ctx.rank], ctx.cu_seqlens_global
+    rows, cu, seg_cu, chunks, owner = [], [0], [0], [], []
+    offsets = [0]
+    for f in frags:
+        offsets.append(offsets[-1] + f.tokens)
+    for s in ctx.relays[ctx.rank]:
+        f = frags[s]
+        doc_chunks = -(-(cu_g[f.doc + 1] - cu_g[f.doc]) // 64)
+        grid = 64 * (segment_chunks if segment_chunks >= 1 else
+                     _DET_SEG_CHUNKS // 2 if half_grid(doc_chunks, HV) else _DET_SEG_CHUNKS)
+        rows += range(offsets[s], offsets[s + 1])
+        for at in range(0, f.tokens, grid):
+            cu.append(cu[-1] + min(grid, f.tokens - at))
+            chunks.append(doc_chunks)
+            owner.append(s)
+        seg_cu.append(len(cu) - 1)
+    as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    span = (rows[0], rows[-1] + 1) if rows and rows == list(range(rows[0], rows[-1] + 1)) else None
+    segs = len(cu) - 1
+    return SubBatch(as_index(rows), as_index(cu, torch.int32), as_index(owner), span, segs,
+                    len(rows), as_index([OPENS_INSIDE | CLOSES_INSIDE] * segs, torch.uint8), tuple(chunks),
+                    as_index(seg_cu, torch.int32))
 
 
 def _ring_steps(ctx: KcpContext, device: torch.device) -> tuple[RingStep, ...]:
     per_doc = ctx.doc_fragments
     own_slot = {s: j for j, s in enumerate(ctx.sources[ctx.rank])}
+    relays = set(ctx.relays[ctx.rank])
     steps = []
     for p in range(max((len(f) for f in per_doc), default=1) - 1):
         hops = [(frags[p], frags[p + 1], d) for d, frags in enumerate(per_doc) if len(frags) > p + 1]
@@ -462,7 +520,8 @@ def _ring_steps(ctx: KcpContext, device: torch.device) -> tuple[RingStep, ...]:
             src_pos=as_index([place[d] for _, d, _ in send]), documents=len(hops),
             send_splits=tuple(sum(1 for r, _, _ in send if r == q) for q in range(ctx.world)),
             recv_frags=as_index([s for _, _, s in recv]),
-            recv_splits=tuple(sum(1 for r, _, _ in recv if r == q) for q in range(ctx.world))))
+            recv_splits=tuple(sum(1 for r, _, _ in recv if r == q) for q in range(ctx.world)),
+            relay_sends=any(s in relays for _, _, s in send), relay_receives=any(s in relays for _, _, s in recv)))
     return tuple(steps)
 
 

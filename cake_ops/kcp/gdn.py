@@ -130,6 +130,64 @@ def _ring_chain_adjoint(F, M, steps, kcp, fragments: int):
     return dend
 
 
+def _hop_chain(ends, relay_ends, S0, tables, steps, kcp):
+    """The chain by neighbour hops (deterministic calls where a document spans three
+    ranks or more: docs/kcp.md, "Relays"): each step every rank sends the end states of
+    its sources of that step, a lead's its walked end (``ends``, per local fragment), a
+    relay's ``relay_ends(start states of this rank's relays)`` (its segments' summaries
+    chained by the chain kernel from the start state an earlier step brought), to the
+    ranks holding the next fragments. Returns this rank's fragments' start states."""
+    starts = S0.new_zeros(len(kcp.fragments[kcp.rank]), *S0.shape[1:])
+    starts = starts.index_copy(0, tables.first_fragments, S0.index_select(0, tables.first_docs))
+    relays = tables.relay.fragments
+    for step in steps:
+        if step.relay_sends:
+            ends = ends.index_copy(0, relays, relay_ends(starts.index_select(0, relays)))
+        received = collectives.shift(ends.index_select(0, step.src_frags), step.send_splits, step.recv_splits, kcp)
+        starts = starts.index_copy(0, step.recv_frags, received)
+    return starts
+
+
+def _hop_chain_adjoint(dstarts, relay_dstarts, tables, steps, kcp):
+    """``_hop_chain``'s mirror: per local fragment its end state's gradient (zero but for
+    sources), from the steps in reverse. Each step the holders of the steps' next
+    fragments send the gradients at their starts back: a tail's its own chained start
+    gradient (``dstarts``), a relay's ``relay_dstarts(end gradients of this rank's
+    relays)`` (its segments' reverse summaries chained from the end gradient a later
+    step brought)."""
+    dend, relays = torch.zeros_like(dstarts), tables.relay.fragments
+    for step in reversed(steps):
+        if step.relay_receives:
+            dstarts = dstarts.index_copy(0, relays, relay_dstarts(dend.index_select(0, relays)))
+        back = collectives.shift(dstarts.index_select(0, step.recv_frags), step.recv_splits, step.send_splits, kcp)
+        dend = dend.index_copy(0, step.src_frags, back)
+    return dend
+
+
+def _relay_summaries(xs, kcp, opts, forward: bool, do=None):
+    """Per grid segment of this rank's relays (``KcpContext.relay_segments``) its
+    summaries from one ``cake::`` op call each: forward, (E, M) as the final states of
+    the segments from zero and from the identity with v = 0; backward, (F, B = Mᵀ) as
+    their initial states' gradients with do and no end gradient, and with dht = I and
+    do = 0. Returns (values, transfers, seg_cu)."""
+    q, k, v, g, beta = xs
+    K, HV = q.shape[-1], v.shape[1]
+    seg = kcp.relay_segments(q.device, HV, opts.segment_chunks)
+    grid = dict(segment_chunks=opts.segment_chunks, doc_flags=_flags(seg, opts, HV))
+    sq, sk, sv, sg, sb = seg.take(q, k, v, g, beta)
+    eye = torch.eye(K, device=q.device).expand(seg.count, HV, K, K).contiguous()
+    if forward:  # the transfers from the identity with a v of head dim K, zeros
+        values = torch.ops.cake.gdn_fwd_final_state(sq, sk, sv, sg, sb, seg.cu_seqlens, None, *opts.walk, **grid)
+        transfers = torch.ops.cake.gdn_fwd_final_state(sq, sk, sv.new_zeros(seg.tokens, HV, K), sg, sb,
+                                                       seg.cu_seqlens, eye, *opts.walk, **grid)
+    else:  # the transfers from dht = I with a do of head dim K, zeros
+        (sdo,) = seg.take(do)
+        values = torch.ops.cake.gdn_bwd_initial_state(sdo, None, sq, sk, sg, sb, seg.cu_seqlens, *opts.walk, **grid)
+        transfers = torch.ops.cake.gdn_bwd_initial_state(sdo.new_zeros(seg.tokens, HV, K), eye, sq, sk, sg, sb,
+                                                         seg.cu_seqlens, *opts.walk, **grid)
+    return values, transfers, seg.seg_cu
+
+
 def _walk(xs, cu_seqlens, starts, opts, part=None):
     """One ``cake::gdn_fwd`` (or, saving the tapes, ``gdn_fwd_full``) of a sub-batch:
     (o, final states, tapes or None); with ``part`` (a ``SubBatch``) its doc_flags where
@@ -179,33 +237,17 @@ class _Opts:
     save_transfer: bool
     has_initial: bool
     segment_chunks: int  # every walk's cut grid (-1: the ops' plan; ``segments``)
+    hops: bool  # deterministic with relays: the chain by neighbour hops (``_hop_chain``)
 
 
-def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
-    """The forward's tensors: ``o``, ``final`` (with output_final_state) and what the
-    backward reads (``starts``, ``transfers``, ``S0``, ``lead_tapes``, ``rest_tapes``;
-    absent where the call has none)."""
+def _summary_starts(xs, lead_out, S0, tables, kcp, opts):
+    """This rank's fragments' start states from the sources' summaries (the relays' E
+    and M from two ``cake::gdn_fwd_final_state`` calls, the leads' walked ends with M =
+    0), chained by the a2a exchange (gathered, every rank chaining every document) or
+    the ring; and the transfers the backward's chain adjoint reads."""
+    q, v = xs[0], xs[2]
     K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
-    tables, walk, xs = kcp.chain_tables(q.device), opts.walk, (q, k, v, g, beta)
-    out: dict = {}
-    if kcp.source_slots == 0 and initial_state is None:
-        # No document crosses a rank boundary and none has an initial state: every fragment
-        # is a whole document from zero, the single-GPU op on this rank's rows (no chain,
-        # no start states passed or saved, and in the backward no end gradients but the
-        # final states').
-        out["o"], final, out["rest_tapes"] = _walk(xs, kcp.cu_seqlens, None, opts)
-        if opts.output_final_state:
-            out["final"] = _final_states(final, final.new_zeros(kcp.documents, *final.shape[1:]), kcp, tables)
-        return {n: x for n, x in out.items() if x is not None}
-    S0 = (initial_state.float() if initial_state is not None
-          else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
-    lead, relay, rest = tables.lead, tables.relay, tables.rest
-    # The lead sources start from their documents' initial states: walked with their
-    # outputs before any exchange, their end states are their summaries (E, with M = 0).
-    lead_out = None
-    if lead.count:
-        lead_out = _walk(lead.take(*xs), lead.cu_seqlens,
-                         S0.index_select(0, tables.lead_docs) if initial_state is not None else None, opts, lead)
+    lead, relay, walk = tables.lead, tables.relay, opts.walk
     parts = []
     if relay.count:  # E from zero, M from the identity with v = 0
         sub = relay.take(*xs)
@@ -236,6 +278,51 @@ def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
         # The backward's chain adjoint reads the transfers only (a copy: not the gathered
         # E beside them); without save_transfer only this rank's, gathered again there.
         transfers = (M_all if opts.save_transfer else _padded(summaries[..., V:], kcp.source_slots)).contiguous()
+    return starts, transfers
+
+
+def _hop_starts(xs, lead_out, S0, tables, kcp, opts):
+    """This rank's fragments' start states by neighbour hops (``_hop_chain``): the leads'
+    walked ends, the relays' ends chained from their segments' summaries."""
+    ends = S0.new_zeros(len(kcp.fragments[kcp.rank]), *S0.shape[1:])
+    if tables.lead.count:
+        ends = ends.index_copy(0, tables.lead.fragments, lead_out[1])
+    relay_ends = None
+    if tables.relay.count:
+        E, M, seg_cu = _relay_summaries(xs, kcp, opts, forward=True)
+        relay_ends = lambda S: torch.ops.cake.gdn_state_chain(E, M, S, seg_cu)  # noqa: E731
+    return _hop_chain(ends, relay_ends, S0, tables, kcp.ring_tables(S0.device), kcp)
+
+
+def _forward(q, k, v, g, beta, initial_state, *, kcp, opts) -> dict:
+    """The forward's tensors: ``o``, ``final`` (with output_final_state) and what the
+    backward reads (``starts``, ``transfers``, ``S0``, ``lead_tapes``, ``rest_tapes``;
+    absent where the call has none)."""
+    K, HV, V = q.shape[-1], v.shape[1], v.shape[-1]
+    tables, walk, xs = kcp.chain_tables(q.device), opts.walk, (q, k, v, g, beta)
+    out: dict = {}
+    if kcp.source_slots == 0 and initial_state is None:
+        # No document crosses a rank boundary and none has an initial state: every fragment
+        # is a whole document from zero, the single-GPU op on this rank's rows (no chain,
+        # no start states passed or saved, and in the backward no end gradients but the
+        # final states').
+        out["o"], final, out["rest_tapes"] = _walk(xs, kcp.cu_seqlens, None, opts)
+        if opts.output_final_state:
+            out["final"] = _final_states(final, final.new_zeros(kcp.documents, *final.shape[1:]), kcp, tables)
+        return {n: x for n, x in out.items() if x is not None}
+    S0 = (initial_state.float() if initial_state is not None
+          else q.new_zeros(kcp.documents, HV, K, V, dtype=torch.float32))
+    lead, rest = tables.lead, tables.rest
+    # The lead sources start from their documents' initial states: walked with their
+    # outputs before any exchange, their end states are their summaries (E, with M = 0).
+    lead_out = None
+    if lead.count:
+        lead_out = _walk(lead.take(*xs), lead.cu_seqlens,
+                         S0.index_select(0, tables.lead_docs) if initial_state is not None else None, opts, lead)
+    if opts.hops:
+        starts, transfers = _hop_starts(xs, lead_out, S0, tables, kcp, opts), None
+    else:
+        starts, transfers = _summary_starts(xs, lead_out, S0, tables, kcp, opts)
     rest_out = None
     if rest.count:  # every other fragment from its chained start state
         rest_starts = starts if not lead.count else starts.index_select(0, rest.fragments)
@@ -276,7 +363,9 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
         dht = dht.index_copy(0, tables.last_slots, mine)
         if dS0 is not None:
             dS0 = dS0 + dcat[pool:]
-    if kcp.sink_slots:
+    if opts.hops:
+        dht = _hop_end_gradients(do, dht, q, k, v, g, beta, starts, tables, kcp, opts)
+    elif kcp.sink_slots:
         # The sinks' start-state gradients from their own outputs and end gradients, to
         # every rank. A sink that is a source too (a document's middle) walks back from
         # zero here: the gradient at its end enters through the chain, as Mᵀ dS_end.
@@ -316,6 +405,26 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
         dstarts = _join(lead_g and lead_g[5], rest_g and rest_g[5], tables, False)
         out["dh0"] = dS0.index_add(0, tables.first_docs, dstarts.index_select(0, tables.first_fragments))
     return out
+
+
+def _hop_end_gradients(do, dht, q, k, v, g, beta, starts, tables, kcp, opts):
+    """``dht`` with every source's end gradient from the chain's mirror by neighbour
+    hops (``_hop_chain_adjoint``): the tails' chained start gradients (the backward's
+    initial-state op from their own end gradients), the relays' chained through their
+    segments' reverse summaries."""
+    tails, HV = tables.tails, v.shape[1]
+    dstarts = torch.zeros_like(starts)
+    if tails.count:
+        F = torch.ops.cake.gdn_bwd_initial_state(
+            *tails.take(do), dht.index_select(0, tails.fragments).contiguous(), *tails.take(q, k, g, beta),
+            tails.cu_seqlens, *opts.walk, segment_chunks=opts.segment_chunks, doc_flags=_flags(tails, opts, HV))
+        dstarts = dstarts.index_copy(0, tails.fragments, F)
+    relay_dstarts = None
+    if tables.relay.count:
+        F, B, seg_cu = _relay_summaries((q, k, v, g, beta), kcp, opts, forward=False, do=do)
+        relay_dstarts = lambda d: torch.ops.cake.gdn_state_grad_chain(F, B, d, seg_cu)  # noqa: E731
+    dend = _hop_chain_adjoint(dstarts, relay_dstarts, tables, kcp.ring_tables(q.device), kcp)
+    return torch.where((tables.local_sources >= 0)[:, None, None, None], dend, dht)
 
 
 _replay_names: dict = {}  # a replay key -> the names of its launch's outputs, in order
@@ -446,7 +555,8 @@ def gdn_kcp(
     if scale is None:
         scale = q.shape[-1] ** -0.5
     opts = _Opts((float(scale), use_qk_l2norm, deterministic), save_mode == "full", output_final_state,
-                 exchange == "ring", save_transfer, initial_state is not None, _segment_chunks(ctx, segments))
+                 exchange == "ring", save_transfer, initial_state is not None, _segment_chunks(ctx, segments),
+                 deterministic and ctx.has_relays)
     return _GdnKcp.apply(q, k, v, g, beta, initial_state, ctx, opts)
 
 
@@ -466,15 +576,17 @@ def _segment_chunks(ctx: KcpContext, segments) -> int:
 def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128, *,
                     dtype: torch.dtype = torch.bfloat16, beta_dtype: torch.dtype = torch.float32,
                     use_qk_l2norm: bool = False, save_mode: str = "light", cuda_kernels: bool = True,
-                    exchange: str = "a2a", save_transfer: bool = True, initial_state: bool = False) -> int:
+                    exchange: str = "a2a", save_transfer: bool = True, initial_state: bool = False,
+                    deterministic: bool = True) -> int:
     """Bytes of the tensors one ``gdn_kcp`` call on this rank keeps from its forward to
     its backward: its rows of q, k, v (``dtype``), g (fp32) and beta; the fragments'
     start states, the transfers ``M`` (every rank's, gathered, with ``save_transfer``;
     else this rank's own: padded to its source slots for the backward's all-gather in the
     a2a exchange, unpadded in the ring) and the documents' initial states (the caller's
     fp32 tensor, or zeros), fp32, unless no document crosses a rank boundary and the call
-    has no ``initial_state`` (then every fragment is a whole document from zero); in the
-    full save mode
+    has no ``initial_state`` (then every fragment is a whole document from zero); no
+    transfers where a deterministic call chains by hops (``KcpContext.has_relays``: each
+    backward forms its relays' own); in the full save mode
     the finishing walk's tapes (``gdn_tapes_bytes``) where the CUDA kernels run the call
     (``cuda_kernels``). Tests compare it with what the call saves."""
     if save_mode not in SAVE_MODES:
@@ -485,7 +597,8 @@ def kcp_saved_bytes(ctx: KcpContext, H: int, HV: int, K: int = 128, V: int = 128
         saved += F * state + ctx.documents * state
     transfers = ctx.world * ctx.source_slots if exchange == "a2a" and save_transfer else (
         ctx.source_slots if exchange == "a2a" else len(ctx.sources[ctx.rank]))
-    saved += transfers * HV * K * K * 4
+    if not (deterministic and ctx.has_relays):
+        saved += transfers * HV * K * K * 4
     if save_mode == "full" and cuda_kernels:  # one tapes block per forward walk: the lead sources', the rest's
         for part in _walks(ctx):
             saved += gdn_tapes_bytes(sum(f.tokens for f in part), len(part), H, HV, use_qk_l2norm)
@@ -519,15 +632,26 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     if direction not in ("forward", "backward"):
         raise ValueError(f"direction must be 'forward' or 'backward', got {direction!r}")
     frags = ctx.fragments[ctx.rank]
-    relays = [frags[s] for s in ctx.relays[ctx.rank]]
-    sinks = [frags[s] for s in ctx.sinks[ctx.rank]]
-    opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic, segment_chunks=_segment_chunks(ctx, segments))
+    segment_chunks = _segment_chunks(ctx, segments)
+    opts = dict(use_qk_l2norm=use_qk_l2norm, deterministic=deterministic, segment_chunks=segment_chunks)
     # Deterministic chained calls pass doc_flags (``_flags``), which add slots to the plan.
     flags = deterministic and (ctx.source_slots > 0 or initial_state)
-    walks = [(part, "forward" if direction == "forward" else "backward", flags) for part in _walks(ctx)]
-    if direction == "forward" and relays:
-        walks.append((relays, "final_state", False))
-    if direction == "backward" and sinks:
-        walks.append((sinks, "initial_state", flags))
-    return max(gdn_workspace_bytes(sum(f.tokens for f in part), len(part), H, HV, save_mode=save_mode,
-                                   direction=d, doc_flags=fl, **opts) for part, d, fl in walks)
+    # (tokens, documents, direction, doc_flags) of each op call
+    calls = [(sum(f.tokens for f in part), len(part), "forward" if direction == "forward" else "backward", flags)
+             for part in _walks(ctx)]
+    if deterministic and ctx.has_relays:  # the hops: the relays' segments, the tails
+        seg = ctx.relay_segments(torch.device("cpu"), HV, segment_chunks)
+        if seg.count:
+            calls.append((seg.tokens, seg.count, "final_state" if direction == "forward" else "initial_state", True))
+        tails = [frags[s] for s in ctx.tails[ctx.rank]]
+        if direction == "backward" and tails:
+            calls.append((sum(f.tokens for f in tails), len(tails), "initial_state", flags))
+    else:
+        relays = [frags[s] for s in ctx.relays[ctx.rank]]
+        sinks = [frags[s] for s in ctx.sinks[ctx.rank]]
+        if direction == "forward" and relays:
+            calls.append((sum(f.tokens for f in relays), len(relays), "final_state", False))
+        if direction == "backward" and sinks:
+            calls.append((sum(f.tokens for f in sinks), len(sinks), "initial_state", flags))
+    return max(gdn_workspace_bytes(T, N, H, HV, save_mode=save_mode, direction=d, doc_flags=fl, **opts)
+               for T, N, d, fl in calls)

@@ -228,7 +228,7 @@ def test_kcp_on_rank_threads(one_intra_op_thread):
     run_rank_threads(_gdn_case, 3, "D", [130, 3, 0, 97], 2, 4, 5, timeout=300)
 
 
-def _counted_exchange(rank, world, expected, exchange, save_transfer):
+def _counted_exchange(rank, world, expected, exchange, save_transfer, deterministic):
     """One gdn_kcp (final states on) and one short_conv_kcp forward+backward; ``expected``
     [rank] gets kcp_comm_bytes of the call."""
     from cake_ops.kcp import kcp_comm_bytes
@@ -238,16 +238,21 @@ def _counted_exchange(rank, world, expected, exchange, save_transfer):
     ctx = build_context_kcp(inp["cu_seqlens"], layout="D", conv_width=4)
     local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
     o, ht = gdn_kcp(*local, ctx, initial_state=inp["initial_state"], output_final_state=True, exchange=exchange,
-                    save_transfer=save_transfer)
+                    save_transfer=save_transfer, deterministic=deterministic)
     x, w = ctx.shard(torch.randn(sum(lengths), D)).requires_grad_(True), torch.randn(D, 4)
     y = short_conv_kcp(x, w, None, ctx)
     torch.autograd.grad((o, ht, y), local + [x], (torch.ones_like(o), torch.ones_like(ht), torch.ones_like(y)))
     expected[rank] = kcp_comm_bytes(ctx, HV, K, V, output_final_state=True, conv_channels=D, exchange=exchange,
-                                    save_transfer=save_transfer)
+                                    save_transfer=save_transfer, deterministic=deterministic)
+    assert ctx.has_relays  # layout D at 3 ranks: the deterministic calls chain by hops
 
 
-@pytest.mark.parametrize("exchange, save_transfer", [("a2a", True), ("a2a", False), ("ring", False)])
-def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_thread, exchange, save_transfer):
+# Deterministic calls on this plan (documents over three ranks) chain by hops in either
+# exchange; the others by the exchange asked for.
+@pytest.mark.parametrize("exchange, save_transfer, deterministic", [
+    ("a2a", True, False), ("a2a", False, False), ("ring", False, False), ("a2a", True, True), ("ring", False, True)])
+def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_thread, exchange, save_transfer,
+                                                      deterministic):
     from cake_ops.kcp import collectives
 
     log = {}
@@ -271,17 +276,18 @@ def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_
     from cake_ops.testing import run_rank_threads
 
     expected_by_rank = {}
-    run_rank_threads(_counted_exchange, 3, expected_by_rank, exchange, save_transfer, timeout=300)
+    run_rank_threads(_counted_exchange, 3, expected_by_rank, exchange, save_transfer, deterministic, timeout=300)
+    shifted = exchange == "ring" or deterministic
     assert sorted(log) == sorted(expected_by_rank) == [0, 1, 2]
     for rank, expected in expected_by_rank.items():
         # Every exchange of the plan (documents cross rank boundaries, final states and a
         # conv are on): a2a, the forward's three gathers, the backward's gather of the
         # sinks' start-state gradients (and of the transfers without save_transfer) and
         # the two adjoints; ring, the chain's shifts both ways instead of the summaries'
-        # and the sinks' gathers (the shifts summed over the chain's steps).
-        assert len(expected) == {"a2a": 7 - save_transfer, "ring": 6}[exchange], expected
+        # and the sinks' gathers (the shifts summed over the chain's steps), as the hops.
+        assert len(expected) == (6 if shifted else 7 - save_transfer), expected
         calls = log[rank]
-        if exchange == "ring":
+        if shifted:
             shifts = sum(1 for kind, _ in calls if kind == "shifts")  # one a step of the chain, each way
             assert shifts % 2 == 0 and shifts > 0, calls
             shifted = sum(n for kind, n in calls if kind == "shifts")
