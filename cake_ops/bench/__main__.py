@@ -115,6 +115,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--emulate", action="store_true", help="with --cp: the ranks as threads on this one device "
                    "(per-rank compute and bytes)")
     p.add_argument("--layout", default="C", choices=("C", "Z", "D"), help="with --cp: the KCP layout")
+    p.add_argument("--align", type=int, default=4096, metavar="TOKENS",
+                   help="with --cp: build_context_kcp's align (default GRID_ALIGN, 4096: bitwise deterministic KCP; "
+                        "1: the layout's exact cuts)")
     argv = list(sys.argv[1:] if argv is None else argv)
     args = p.parse_args(argv)
     args.argv = argv

@@ -38,7 +38,7 @@ def _by_kernel(split: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def _kcp_step(inp, world: int, layout: str, out: dict):
+def _kcp_step(inp, world: int, layout: str, align: int, out: dict):
     """A callable running one KCP forward+backward of ``inp`` on ``world`` rank threads;
     ``out[rank]`` gets (o, grads, comm bytes) of the last call."""
     from cake_ops.kcp import build_context_kcp, gdn_kcp, kcp_comm_bytes
@@ -52,7 +52,7 @@ def _kcp_step(inp, world: int, layout: str, out: dict):
         # (every call's threads join a threaded group of the same name), so the timed
         # steps hold neither the planning nor the sharding copies.
         if r not in ranks:
-            ctx = build_context_kcp(cu, layout=layout, device=inp.q.device)
+            ctx = build_context_kcp(cu, layout=layout, device=inp.q.device, align=align)
             local = [ctx.shard(getattr(inp, n)).detach().requires_grad_(True) for n in NAMES]
             ranks[r] = (ctx, local, ctx.shard(inp.do))
         ctx, local, do = ranks[r]
@@ -93,7 +93,7 @@ def check_kcp_accuracy(args, device: torch.device) -> dict:
     inp = make_inputs(ACCURACY_SHAPE, device, args.gate, args.seed + 1)
     ref_o, ref_grads = reference_outputs(inp)
     out: dict = {}
-    _kcp_step(inp, args.cp, args.layout, out)()
+    _kcp_step(inp, args.cp, args.layout, args.align, out)()
     T = inp.q.shape[0]
     got = [("o", _gathered(out, args.cp, T, lambda x: x[1].detach()), ref_o)]
     got += [(n, _gathered(out, args.cp, T, lambda x, i=i: x[2][i]), ref) for i, (n, ref) in
@@ -106,7 +106,7 @@ def check_kcp_accuracy(args, device: torch.device) -> dict:
 def run_kcp(args) -> dict:
     device = torch.device(args.device)
     report: dict[str, Any] = {"meta": make_meta(args, device), "accuracy": None, "results": []}
-    report["meta"].update(cp=args.cp, layout=args.layout, emulate=True)
+    report["meta"].update(cp=args.cp, layout=args.layout, align=args.align, emulate=True)
     acc = check_kcp_accuracy(args, device)
     report["accuracy"] = acc
     worst = max(acc["rel_rms"].values())
@@ -119,7 +119,7 @@ def run_kcp(args) -> dict:
         shape = {**SHAPES, **QUICK_SHAPES, **KCP_SHAPES}[name]
         inp = make_inputs(shape, device, args.gate, args.seed)
         out: dict = {}
-        steps = {"single": _single_step(inp), "kcp": _kcp_step(inp, args.cp, args.layout, out)}
+        steps = {"single": _single_step(inp), "kcp": _kcp_step(inp, args.cp, args.layout, args.align, out)}
         for step in steps.values():
             for _ in range(args.warmup):
                 step()

@@ -133,10 +133,10 @@ def _rank_main(args, out_path: str | None) -> dict | None:
     if device.type == "cuda":
         torch.cuda.set_device(device)
     report: dict[str, Any] = {"meta": make_meta(args, device), "accuracy": None, "results": []}
-    report["meta"].update(cp=world, layout=args.layout, emulate=False, backend=dist.get_backend())
+    report["meta"].update(cp=world, layout=args.layout, align=args.align, emulate=False, backend=dist.get_backend())
 
     def ctx_of(inp):
-        return build_context_kcp(inp.cu_seqlens.tolist(), layout=args.layout, device=device)
+        return build_context_kcp(inp.cu_seqlens.tolist(), layout=args.layout, device=device, align=args.align)
 
     acc = _check_accuracy(args, device, ctx_of)
     ok = torch.tensor([float(acc["ok"]) if acc is not None else 0.0], device=device)

@@ -582,7 +582,7 @@ def build_context_kcp(
     conv_width: int = 4,
     device: torch.device | str | None = None,
     graph_replay: bool = False,
-    align: int = 1,
+    align: int = GRID_ALIGN,
 ) -> KcpContext:
     """Plans a packed global batch over the ranks of ``group`` (default: the world).
 
@@ -598,8 +598,12 @@ def build_context_kcp(
     collectives inside the graph: that needs an NCCL group. Traced calls (torch.compile)
     and calls made inside the caller's own capture run their launches as they are. Every
     rank must call it with the same arguments. ``align``: cuts inside a document move to
-    multiples of it from the document's start (module docstring; 1: the layouts' exact
-    cuts; ``GRID_ALIGN``: on the deterministic cut grid, for bitwise deterministic KCP)."""
+    multiples of it from the document's start (module docstring). ``GRID_ALIGN`` (the
+    default) puts them on the deterministic cut grid, which makes deterministic
+    ``gdn_kcp`` calls bitwise the single-GPU op's (docs/kcp.md), for a shift of at most
+    2048 tokens a boundary (a document under 4096 tokens is never cut); 1 keeps the
+    layouts' exact cuts (deterministic calls are then reproducible run to run, within
+    the contract of the single-GPU op, not bitwise it)."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if isinstance(align, bool) or not isinstance(align, int) or align < 1:

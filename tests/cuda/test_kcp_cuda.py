@@ -25,7 +25,7 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 
 def _case(rank, world, layout, lengths, H, HV, seed, single):
     inp = make_gdn_inputs(lengths, H, HV, 128, 128, initial_state=True, device="cuda", seed=seed)
-    ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout=layout, device="cuda")
+    ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout=layout, device="cuda", align=1)
     do, dht, refs, ht64 = single
 
     def run(save_mode="light", exchange="a2a", save_transfer=True, segments=None):
@@ -128,7 +128,7 @@ class _CakeCalls(TorchDispatchMode):
 
 def _workspace_case(rank, world, lengths, H, HV):
     inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=5)
-    ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout="D", device="cuda")
+    ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout="D", device="cuda", align=1)
     for save_mode, segments in (("light", None), ("full", None), ("light", 2)):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in NAMES[:5]]
         calls = _CakeCalls()
@@ -179,7 +179,7 @@ def test_kcp_graph_replay_is_the_eager_bits(one_rank_nccl_group):
     lengths, H, HV = [3000, 65, 1, 2100], 2, 6
     inp = make_gdn_inputs(lengths, H, HV, 128, 128, initial_state=True, device="cuda", seed=11)
     cu = inp["cu_seqlens"].cpu()
-    eager, replayed = (build_context_kcp(cu, device="cuda", graph_replay=r) for r in (False, True))
+    eager, replayed = (build_context_kcp(cu, device="cuda", graph_replay=r, align=1) for r in (False, True))
     gen = torch.Generator(device="cuda").manual_seed(12)
     do = torch.randn(inp["v"].shape, device="cuda", generator=gen).bfloat16()
     dht = torch.randn(inp["initial_state"].shape, device="cuda", generator=gen)

@@ -90,7 +90,7 @@ def _short_conv_width(rank, world, layout, lengths, seed, W):
         y_ref = cake_ops.short_conv(*leaves[:3], cu, initial_state=leaves[3] if init is not None else None,
                                     activation="silu")
         refs = [y_ref, *torch.autograd.grad(y_ref, leaves, dy)]
-        ctx = build_context_kcp(cu, layout=layout, conv_width=W)
+        ctx = build_context_kcp(cu, layout=layout, conv_width=W, align=1)
         xl = ctx.shard(x).clone().requires_grad_(True)
         rep = [t.clone().requires_grad_(True) for t in leaves[1:]]
         y = short_conv_kcp(xl, rep[0], rep[1], ctx, initial_state=rep[2] if init is not None else None,
@@ -142,7 +142,7 @@ def _unchained(rank, world):
     lengths, H, HV = [17, 23, 0] * world, 1, 2
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, seed=4)
     names = ("q", "k", "v", "g", "beta")
-    ctx = build_context_kcp(inp["cu_seqlens"], layout="C")
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="C", align=1)
     assert ctx.source_slots == 0
     gen = torch.Generator().manual_seed(5)
     do = torch.randn(inp["v"].shape, generator=gen)
@@ -173,7 +173,7 @@ def _traced_and_checkpointed(rank, world):
     a non-reentrant checkpoint: outputs and gradients bitwise the eager ones."""
     lengths, H, HV, D = [90, 7, 60], 1, 2, 2 * K
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=3)
-    ctx = build_context_kcp(inp["cu_seqlens"], layout="Z")
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="Z", align=1)
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(D, 4, generator=gen)
     x_global = torch.randn(sum(lengths), D, generator=gen)
@@ -235,7 +235,7 @@ def _counted_exchange(rank, world, expected, exchange, save_transfer, determinis
 
     lengths, H, HV, D = [130, 3, 0, 97, 1, 64], 1, 2, 6
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=1)
-    ctx = build_context_kcp(inp["cu_seqlens"], layout="D", conv_width=4)
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="D", conv_width=4, align=1)
     local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
     o, ht = gdn_kcp(*local, ctx, initial_state=inp["initial_state"], output_final_state=True, exchange=exchange,
                     save_transfer=save_transfer, deterministic=deterministic)
@@ -306,7 +306,7 @@ def _saved(rank, world, result):
 
     lengths, H, HV = [130, 3, 0, 97, 1, 64], 1, 2
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=2)
-    ctx = build_context_kcp(inp["cu_seqlens"], layout="D")
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="D", align=1)
     for h0 in (None, inp["initial_state"]):
         local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
         storages = {}
@@ -325,7 +325,7 @@ def _saved(rank, world, result):
     # Without crossing documents and initial states: no start states are kept.
     lengths = [17, 23] * world
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=3)
-    ctx = build_context_kcp(inp["cu_seqlens"], layout="C")
+    ctx = build_context_kcp(inp["cu_seqlens"], layout="C", align=1)
     for h0 in (None, inp["initial_state"]):
         local = [ctx.shard(inp[n]).requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
         storages.clear()

@@ -78,7 +78,7 @@ def test_kcp_errors_name_the_argument(one_rank_group):
         build_context_kcp([0, 10], graph_replay="yes")
     with pytest.raises(ValueError, match="align must be an int >= 1"):
         build_context_kcp([0, 10], align=0)
-    ctx = build_context_kcp([0, 6, 10], conv_width=3)
+    ctx = build_context_kcp([0, 6, 10], conv_width=3, align=1)
     q = torch.randn(10, 1, 8)
     v, g, b = torch.randn(10, 1, 8), -torch.rand(10, 1), torch.rand(10, 1)
     with pytest.raises(ValueError, match="q must hold this rank's 10 tokens"):

@@ -340,7 +340,7 @@ def test_cp_emulate_on_cpu(tmp_path):
     FP64, the per-rank times and the bytes per collective in strict JSON."""
     path = tmp_path / "json"
     report = main(["--quick", "--device", "cpu", "--shapes", "q_packed", "--calls", "1", "--warmup", "0", "--cp", "2",
-                   "--emulate", "--layout", "Z", "--kernels", "--json", str(path)])
+                   "--emulate", "--layout", "Z", "--align", "1", "--kernels", "--json", str(path)])
     data = json.loads(path.read_text())
     assert data["accuracy"]["ok"] and all(0 <= x <= 1e-2 for x in data["accuracy"]["rel_rms"].values())
     (row,) = data["results"]
@@ -359,7 +359,7 @@ def test_cp_devices_on_cpu(tmp_path):
     single device in strict JSON."""
     path = tmp_path / "json"
     report = main(["--quick", "--device", "cpu", "--shapes", "q_packed", "--calls", "1", "--warmup", "0", "--cp", "2",
-                   "--layout", "D", "--json", str(path)])
+                   "--layout", "D", "--align", "1", "--json", str(path)])
     data = json.loads(path.read_text())
     assert data["accuracy"]["ok"] and all(0 <= x <= 1e-2 for x in data["accuracy"]["rel_rms"].values())
     assert data["meta"]["cp"] == 2 and data["meta"]["backend"] == "gloo" and not data["meta"]["emulate"]
@@ -369,5 +369,6 @@ def test_cp_devices_on_cpu(tmp_path):
         assert row["slowest"]["stream_ms"] == max(r["stream_ms"] for r in row["ranks"])
         assert row["slowest_over_single"]["stream_ms"] == pytest.approx(row["slowest"]["stream_ms"]
                                                                         / row["single"]["stream_ms"])
-        assert row["comm_bytes_per_rank"]["gdn summaries, forward all-gather"] > 0
+        # Layout D: each document over both ranks three times (a relay), chained by hops.
+        assert row["comm_bytes_per_rank"]["gdn chain states, forward shifts"] > 0
     assert report["results"][0]["shape"] == "q_packed"
