@@ -30,6 +30,13 @@ need no backward of their own: the gradient of ``<dS_end, M S_start + E>`` is th
 its walk's end state, which that backward takes. Each fragment runs one backward; a
 sink also the reverse walk for ``F``.
 
+Deterministic calls where a document spans three ranks or more chain by neighbour hops
+instead (``_hop_chain``; docs/kcp.md, "Relays"), whatever the exchange: a relay's end
+state is its grid segments' summaries chained by the single-GPU chain kernel
+(``cake::gdn_state_chain``) from the start state the previous hop brought, and in the
+backward its start gradient by the backward's (``cake::gdn_state_grad_chain``), so that
+on a grid-aligned context every chained state is the single-GPU op's, bitwise.
+
 The initial and final states are replicated: every rank passes the same
 ``initial_state`` and receives the same final states; their gradients are partial, each
 rank's from its own loss (their sum over the ranks is the gradient of the summed loss,
@@ -515,7 +522,11 @@ def gdn_kcp(
             rank holding its document's next fragment, one neighbour shift per step of
             the chain (state-sized messages, as many steps as a document has fragments,
             less one), and its gradient back the same way. The same bits either way: the
-            chain's products have the same shapes in both (tested on gloo).
+            chain's products have the same shapes in both (tested on gloo). Deterministic
+            calls on a context with relays (a document over three ranks or more) chain
+            by such hops in either exchange, each relay's end from the chain kernel on
+            its segments' summaries: bitwise the single-GPU op on a grid-aligned
+            context (docs/kcp.md).
         save_transfer: keep the gathered transfers ``M`` of every rank for the backward
             (default) or only this rank's, gathered again there (W - 1 times less memory,
             one more all-gather). The ring keeps only this rank's and reads no other:
