@@ -392,9 +392,10 @@ def test_doc_flags_bits_the_call_cannot_honour_stop_the_kernels(ops):
     assert naming doc_flags, on the device (its own process: the CUDA context is unusable
     afterwards)."""
     out = device_assert_output(
+        "from cake_ops import build\n"
         "inp = make_gdn_inputs([300, 500], 1, 48, 128, 128, device='cuda', seed=0)\n"
         "flags = torch.tensor([4, 0], dtype=torch.uint8, device='cuda')",
-        "cake_ops.build.load().gdn_fwd(*(inp[n] for n in ('q', 'k', 'v', 'g', 'beta', 'cu_seqlens')), None, "
+        "build.load().gdn_fwd(*(inp[n] for n in ('q', 'k', 'v', 'g', 'beta', 'cu_seqlens')), None, "
         "128**-0.5, False, True, -1, -1, flags)")
     assert "doc_flags[0] = 4: its bits must be of 1, 2, 4, 8" in out, out
 
