@@ -419,22 +419,11 @@ def _chain_tables(ctx: KcpContext, device: torch.device) -> ChainTables:
         steps.append((as_index(docs), as_index([source_index[per_doc[d][p]] for d in docs]),
                       as_index([sink_index[per_doc[d][p + 1]] for d in docs])))
     frags = ctx.fragments[ctx.rank]
-    offsets = [0]
-    for f in frags:
-        offsets.append(offsets[-1] + f.tokens)
 
     def sub_batch(slots):
-        rows_, cu = [], [0]
-        for s in slots:
-            rows_ += range(offsets[s], offsets[s + 1])
-            cu.append(cu[-1] + frags[s].tokens)
-        span = (rows_[0], rows_[-1] + 1) if rows_ and rows_ == list(range(rows_[0], rows_[-1] + 1)) else None
-        flags = as_index([(OPENS_INSIDE if s in my_sinks else 0) + (CLOSES_INSIDE if s in my_sources else 0)
-                          for s in slots], torch.uint8)
-        cu_g = ctx.cu_seqlens_global
-        doc_chunks = tuple(-(-(cu_g[d + 1] - cu_g[d]) // 64) if d >= 0 else 0 for d in (frags[s].doc for s in slots))
-        return SubBatch(as_index(rows_), as_index(cu, torch.int32), as_index(list(slots)), span, len(slots), len(rows_),
-                        flags, doc_chunks)
+        return _sub_batch(ctx, device, [(s, 0, frags[s].tokens) for s in slots],
+                          [(OPENS_INSIDE if s in my_sinks else 0) + (CLOSES_INSIDE if s in my_sources else 0)
+                           for s in slots])
 
     my_sources, my_sinks = ctx.sources[ctx.rank], ctx.sinks[ctx.rank]
     firsts = [(s, d) for d, f in enumerate(per_doc) if f and f[0][0] == ctx.rank for s in [f[0][1]]]
@@ -479,29 +468,40 @@ class RingStep:
     relay_receives: bool = False  # a relay of this rank receives its start state at this step
 
 
-def _relay_segments(ctx: KcpContext, device: torch.device, HV: int, segment_chunks: int) -> SubBatch:
-    frags, cu_g = ctx.fragments[ctx.rank], ctx.cu_seqlens_global
-    rows, cu, seg_cu, chunks, owner = [], [0], [0], [], []
+def _document_chunks(ctx: KcpContext, doc: int) -> int:
+    """The 64-token chunks of global document ``doc`` (0 for a rank's empty stand-in, -1)."""
+    cu = ctx.cu_seqlens_global
+    return -(-(cu[doc + 1] - cu[doc]) // 64) if doc >= 0 else 0
+
+
+def _sub_batch(ctx: KcpContext, device: torch.device, pieces, flags, seg_cu=None) -> SubBatch:
+    """The sub-batch of this rank's rows whose documents are ``pieces``: (local fragment,
+    first token within it, tokens), in row order, with ``doc_flags`` ``flags``."""
+    frags = ctx.fragments[ctx.rank]
     offsets = [0]
     for f in frags:
         offsets.append(offsets[-1] + f.tokens)
+    rows, cu = [], [0]
+    for s, at, n in pieces:
+        rows += range(offsets[s] + at, offsets[s] + at + n)
+        cu.append(cu[-1] + n)
+    span = (rows[0], rows[-1] + 1) if rows and rows == list(range(rows[0], rows[-1] + 1)) else None
+    as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
+    return SubBatch(as_index(rows), as_index(cu, torch.int32), as_index([s for s, _, _ in pieces]), span, len(pieces),
+                    len(rows), as_index(flags, torch.uint8),
+                    tuple(_document_chunks(ctx, frags[s].doc) for s, _, _ in pieces),
+                    None if seg_cu is None else as_index(seg_cu, torch.int32))
+
+
+def _relay_segments(ctx: KcpContext, device: torch.device, HV: int, segment_chunks: int) -> SubBatch:
+    frags, pieces, seg_cu = ctx.fragments[ctx.rank], [], [0]
     for s in ctx.relays[ctx.rank]:
         f = frags[s]
-        doc_chunks = -(-(cu_g[f.doc + 1] - cu_g[f.doc]) // 64)
         grid = 64 * (segment_chunks if segment_chunks >= 1 else
-                     _DET_SEG_CHUNKS // 2 if half_grid(doc_chunks, HV) else _DET_SEG_CHUNKS)
-        rows += range(offsets[s], offsets[s + 1])
-        for at in range(0, f.tokens, grid):
-            cu.append(cu[-1] + min(grid, f.tokens - at))
-            chunks.append(doc_chunks)
-            owner.append(s)
-        seg_cu.append(len(cu) - 1)
-    as_index = lambda x, dtype=torch.int64: torch.tensor(x, dtype=dtype, device=device)  # noqa: E731
-    span = (rows[0], rows[-1] + 1) if rows and rows == list(range(rows[0], rows[-1] + 1)) else None
-    segs = len(cu) - 1
-    return SubBatch(as_index(rows), as_index(cu, torch.int32), as_index(owner), span, segs,
-                    len(rows), as_index([OPENS_INSIDE | CLOSES_INSIDE] * segs, torch.uint8), tuple(chunks),
-                    as_index(seg_cu, torch.int32))
+                     _DET_SEG_CHUNKS // 2 if half_grid(_document_chunks(ctx, f.doc), HV) else _DET_SEG_CHUNKS)
+        pieces += [(s, at, min(grid, f.tokens - at)) for at in range(0, f.tokens, grid)]
+        seg_cu.append(len(pieces))
+    return _sub_batch(ctx, device, pieces, [OPENS_INSIDE | CLOSES_INSIDE] * len(pieces), seg_cu)
 
 
 def _ring_steps(ctx: KcpContext, device: torch.device) -> tuple[RingStep, ...]:
