@@ -353,3 +353,17 @@ def test_kept_tapes_peak_no_higher_where_gdn_closes_the_region():
             del out, ht
         assert peaks["auto"] <= peaks[False], (lengths, H, peaks)
         _bitwise(grads["auto"], grads[False])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_tapes_stand_in_allocates_nothing(device):
+    """The stand-in a run saves in the tapes' slot where it keeps none has the tapes'
+    metadata ([n] uint8 on the call's device) and views the first byte of q, even a strided
+    q: a byte of its own would hold an allocator block through the backward (the kept-tapes
+    peak rule above). The backward reads it as no tapes."""
+    q = torch.randn(40, 4, 16, device=device).to(torch.bfloat16)[5:, ::2]
+    s = gdn_ops.stand_in_over(q, 123456)
+    assert s.shape == (123456,) and s.dtype == torch.uint8 and s.device == q.device and s.stride() == (0,)
+    assert s.untyped_storage().data_ptr() == q.untyped_storage().data_ptr()
+    assert s.data_ptr() == q.data_ptr() and not checkpointing.kept(s)
+    assert gdn_ops.stand_in_over(q[:0], 7).shape == (7,) and gdn_ops.stand_in_over(q, 0).numel() == 0
