@@ -21,6 +21,11 @@
 // - One CTA of 8 warps per (slot, q/k head): q, k (normalised once into bf16 in shared
 //   memory), q k^T and k k^T (fp32, registers) are shared by the G value heads, and dq, dk
 //   accumulate over the group in registers in a fixed order: no atomics, no partial buffers.
+// - dPs and dkk enter dq and dk only through products with q and k, which are the same
+//   for every value head of the group: so they are summed over the group in fp32
+//   registers, and those four products (dq += dPs k, dk += dPs^T q + dkk k + dkk^T k, 4.2
+//   MFLOP) run once a CTA after the head loop instead of once a value head (docs/kernels.md,
+//   "Backward"). The sums are rounded to bf16 once, where each head's dPs and dkk were.
 // - Warp w = (rb = w & 3, ch = w >> 2) owns rows 16 rb .. 16 rb + 15 of every chunk-row
 //   product, columns 64 ch .. of the 64x128 ones (dq, dk, dw, dXw, dXu, ...) and 32 ch .. of
 //   the 64x64 ones (dP, dA, dL, q k^T, k k^T): the same rows in both, so row quantities
@@ -40,9 +45,9 @@
 // - v_new is not a tape: two products a value head (k S, then A times beta (v - eg k S))
 //   form it from the S^T tape, against 16 KB a chunk and value head the walk would write
 //   and this kernel read (docs/kernels.md, "Backward"; its rounding: tools/gdn_bwd_tape_precision.py).
-// - Shared memory (223 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
-//   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dPs / dkk (8 KB, in turn),
-//   dA^T / A^T dA (fp32, 18 KB, in turn) and row vectors. The next value head's tiles but A
+// - Shared memory (215 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
+//   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dA^T / A^T dA (fp32, 18 KB, in
+//   turn) and row vectors; after the head loop the group's dPs and dkk over A and dw. The next value head's tiles but A
 //   (128 KB) and its gates are requested as soon as the current head's first phases have
 //   read them, its A once the current head's dv is stored: into where the current dw was
 //   (A and dw trade places from head to head), so it lands under the second half of
@@ -91,9 +96,8 @@ constexpr int kDS = kHT + D * D * 2;  // dS^T 128 x 128
 // while phase 2 still reads the current A.
 constexpr int kATile = C * C * 2;
 constexpr int kADw = kDS + D * D * 2;
-constexpr int kDPs = kADw + kATile + kRowTile;  // dPs, then dkk (64 x 64 bf16)
 constexpr int kFLd = 72;              // fp32 row stride of dA^T / A^T dA (conflict-free TF32 fragments)
-constexpr int kDA = kDPs + C * C * 2;
+constexpr int kDA = kADw + kATile + kRowTile;
 constexpr int kVec = kDA + C * kFLd * 4;
 
 // Where row j (a column of dA) of dA^T starts in the fp32 region: rows of kFLd floats, those
@@ -138,7 +142,7 @@ constexpr int kBar = kVec + kVecFloats * 4;  // the loads' mbarrier (8 bytes)
 constexpr int kSmemBytes = kBar + 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA an SM");
 static_assert(kK % 1024 == 0 && kDo % 1024 == 0 && kVn % 1024 == 0 && kV % 1024 == 0 && kDvn % 1024 == 0 &&
-                  kHT % 1024 == 0 && kDS % 1024 == 0 && kADw % 1024 == 0 && kATile % 1024 == 0 && kDPs % 1024 == 0,
+                  kHT % 1024 == 0 && kDS % 1024 == 0 && kADw % 1024 == 0 && kATile % 1024 == 0,
               "SW128 tiles start 1024-byte aligned");
 static_assert(kDA % 16 == 0 && kVec % 16 == 0 && kBar % 8 == 0, "aligned regions");
 
@@ -409,12 +413,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* vec = reinterpret_cast<float*>(smem + kVec);
 
   const int H = static_cast<int>(p.H);
-  const int64_t slot = blockIdx.x / H;
+  const int slot = static_cast<int>(blockIdx.x / H);
   const int h = static_cast<int>(blockIdx.x % H);
   if (slot >= p.chunk_offsets[p.N]) return;  // an unused slot
   const CuSeqlens cu{p.cu_seqlens, p.cu_int64};
   const ChunkPos pos = find_chunk(p.chunk_offsets, cu, p.N, slot);
-  const int64_t t0 = pos.t0;
+  const int t0 = static_cast<int>(pos.t0);  // int32 as the TMA coordinates (below)
   const int len = pos.len;
   const int64_t HV_row = p.HV_stride;  // of the [T, HV, *] tensors and the per-document states
   const int G = static_cast<int>(p.HV / p.H);
@@ -442,13 +446,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   float* fA = reinterpret_cast<float*>(smem + kDA);
 
   // Prologue: q, k and the first value head's tiles and gates in flight.
-  const int64_t hv_first = static_cast<int64_t>(h) * G;
+  const int hv_first = h * G;
   // One mbarrier, one phase a value head (parity j & 1): thread 0 announces the phase's
   // bytes with its first load; after the last head, phase G brings the raw q, k rows.
   const uint32_t bar = sBase + kBar;
-  // TMA coordinates (int32: T and the tape's tiles are below 2^31): the chunk's first token,
-  // a value head's tile of the tapes.
-  const int t_first = static_cast<int>(t0);
+  // TMA coordinates (int32: T and the tape's tiles are below 2^31): the chunk's first token
+  // t0, a value head's tile of the tapes.
   const auto tape_of = [&](int64_t hv) { return static_cast<int>(slot * p.HV + hv); };
   if (tid == 0) {
     tma::mbar_init(bar, 1);
@@ -457,9 +460,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();  // initialised before any thread waits on it (the word holds an earlier CTA's state)
   if (tid == 0) {
     tma::mbar_arrive_expect_tx(bar, kQKBytes + kHeadBytes + kABytes);
-    tma_tile(sQ, &maps.q, h, t_first, bar);
-    tma_tile(sK, &maps.k, h, t_first, bar);
-    load_head(maps, sBase, bar, tape_of(hv_first), static_cast<int>(hv_first), t_first);
+    tma_tile(sQ, &maps.q, h, t0, bar);
+    tma_tile(sK, &maps.k, h, t0, bar);
+    load_head(maps, sBase, bar, tape_of(hv_first), static_cast<int>(hv_first), t0);
     tma::load_box_3d(sBase + a_at(0), &maps.a, 0, 0, tape_of(hv_first), bar);
   }
   TokenGates gates{};
@@ -468,9 +471,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   float dq[8][4], dk[8][4];  // rows m0.., columns n0.., summed over the group
   zero(dq);
   zero(dk);
+  // dPs and dkk summed over the group in fp32 (rows m0.., columns j0..): their products with
+  // q and k run once after the loop, not once a value head.
+  float sdps[4][4], sdkk[4][4];
+  zero(sdps);
+  zero(sdkk);
 
   for (int j = 0; j < G; ++j) {
-    const int64_t hv = hv_first + j;
+    const int hv = hv_first + j;
     const int oA = a_at(j), oDw = dw_at(j);
     // Head j's A and dw tiles (their place alternates; a_at, dw_at).
     const uint64_t dA_mn = at_parity(desc_mn(kADw, C), j, 2 * kATile);
@@ -639,16 +647,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     wg_wait<0>(dpm);
     wg_done(qk);
-    {  // d gcum += rowsum - colsum (dP o P); dPs = scale dP o D (bf16)
+    {  // d gcum += rowsum - colsum (dP o P); the group's dPs += scale dP o D
       float rs[2] = {0.f, 0.f}, cs[4][2] = {};
-      uint32_t dps[4][2];
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
         const int i = m0 + gid + 8 * v;
         const float gi = gl2[i];
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          float ps[2];
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int jj = j0 + 8 * nt + 2 * t4 + c;
@@ -657,17 +663,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             const float dpp = dp * (scale * qk[nt][2 * v + c] * d);
             rs[v] += dpp;
             cs[nt][c] += dpp;
-            ps[c] = scale * dp * d;
+            sdps[nt][2 * v + c] = fmaf(scale * dp, d, sdps[nt][2 * v + c]);
           }
-          dps[nt][v] = mma::pack_bf16(ps[0], ps[1]);
         }
       }
-      st_frag(smem + kDPs, m0, j0, dps);
       store_row_sums(rs, vec + kVRowP + C * ch, m0, lane);
       store_col_sums<4>(cs, vec + kVColP + C * rb, j0, lane);
     }
     wgmma::fence_proxy_async();
-    __syncthreads();  // dw, dPs complete
+    __syncthreads();  // dw complete
 
     // ---- Phase 1b, pipelined as phase 1a.
     float dxu[8][4];  // dXu = A^T dv_new (below)
@@ -676,10 +680,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_issue<8, 0, 0>(acc, dDw_k, desc_k(kK, j0), true);
       wg_issue<8, 0, 0>(dvv, desc_k(kDvn), desc_k(kV, j0), true);
       wgmma::commit();
-      wg_issue<4, 0, 1>(dq, desc_k(kDPs), desc_mn(kK, C, ch), false);  // dq += dPs k
-      wg_issue<4, 1, 1>(dk, desc_mn(kDPs, C), desc_mn(kQ, C, ch), false);     // dk += dPs^T q
-      wgmma::commit();
-      wg_wait<1>(acc);
+      wg_wait<0>(acc);
       wg_done(dvv);
       // Stored transposed (dA^T[j][i] at fA[dat_row(j) + i]): phase 2 reads pairs of
       // consecutive i (its k) as one float2.
@@ -702,8 +703,6 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_issue<4, 1, 1>(dxu, dA_mn, desc_mn(kDvn, C, ch), true);
       wgmma::commit();
       wg_wait<1>(acc);
-      wg_done(dq);
-      wg_done(dk);
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<false>(dk, acc, smem + kK, [&](int i) { return bet[i] * eg[i]; }, rs, m0, n0, lane);
       store_row_sums(rs, vec + kVRowXw + C * ch, m0, lane);
@@ -740,13 +739,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (j + 1 < G) {
       if (tid == 0) {
         tma::mbar_arrive_expect_tx(bar, kHeadBytes + kABytes);
-        load_head(maps, sBase, bar, tape_of(hv + 1), static_cast<int>(hv + 1), t_first);
+        load_head(maps, sBase, bar, tape_of(hv + 1), static_cast<int>(hv + 1), t0);
       }
       if (tid < C) gates = load_gates(p, slot, hv + 1, t0, len, tid);
     } else if (p.use_qk_l2norm && tid == 0) {  // the raw rows for the norm's backward
       tma::mbar_arrive_expect_tx(bar, kQKBytes);
-      tma_tile(sBase + kDo, &maps.q, h, t_first, bar);
-      tma_tile(sBase + kVn, &maps.k, h, t_first, bar);
+      tma_tile(sBase + kDo, &maps.q, h, t0, bar);
+      tma_tile(sBase + kVn, &maps.k, h, t0, bar);
     }
 
     // ---- Phase 2: dL = -(A^T dA A^T).tril(-1), TF32 (m16n8k8: a0 (gid, t4), a1 (gid + 8, t4),
@@ -828,17 +827,15 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       // dL = -Y below the diagonal: dbeta += rowsum(dL o D o kk); d gcum += rowsum - colsum of
-      // that times beta_i; dkk = dL beta_i D (bf16, over dPs, which phase 1b has read).
+      // that times beta_i; the group's dkk += dL beta_i D.
       wg_wait<0>(kk);
       float rb_s[2] = {0.f, 0.f}, rl_s[2] = {0.f, 0.f}, cs[4][2] = {};
-      uint32_t dkkf[4][2];
 #pragma unroll
       for (int v = 0; v < 2; ++v) {
         const int i = m0 + gid + 8 * v;
         const float gi = gl2[i], bi = bet[i];
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
-          float dkk[2];
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
             const int jj = j0 + 8 * nt + 2 * t4 + c;
@@ -850,23 +847,15 @@ __global__ void __launch_bounds__(kThreads, 1)
             rb_s[v] += dldk;
             rl_s[v] += dll;
             cs[nt][c] += dll;
-            dkk[c] = dl * bi * d;
+            sdkk[nt][2 * v + c] = fmaf(dl * bi, d, sdkk[nt][2 * v + c]);
           }
-          dkkf[nt][v] = mma::pack_bf16(dkk[0], dkk[1]);
         }
       }
-      st_frag(smem + kDPs, m0, j0, dkkf);
       store_row_sums(rb_s, vec + kVRowB + C * ch, m0, lane);
       store_row_sums(rl_s, vec + kVRowL + C * ch, m0, lane);
       store_col_sums<4>(cs, vec + kVColL + C * rb, j0, lane);
     }
-    wgmma::fence_proxy_async();
-    __syncthreads();  // dkk and every row / column sum complete
-
-    // dk += dkk k + dkk^T k, under warp 0's per-token sums.
-    wg_issue<4, 0, 1>(dk, desc_k(kDPs), desc_mn(kK, C, ch), false);
-    wg_issue<4, 1, 1>(dk, desc_mn(kDPs, C), desc_mn(kK, C, ch), false);
-    wgmma::commit();
+    __syncthreads();  // every row / column sum complete
 
     if (warp == 0) {  // d gcum, dbeta per token; dg = reverse cumsum of d gcum
       float dgc[2], dbt[2], tsum = 0.f;
@@ -917,9 +906,32 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    wg_wait<0>(dk);
     __syncthreads();  // the head's shared memory may be refilled
   }
+
+  // dq += dPs k, dk += dPs^T q + dkk k + dkk^T k on the group's sums, staged in bf16 in the
+  // A / dw region (no load is pending there now).
+  {
+    uint32_t f[4][2];
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      const float(&x)[4][4] = t ? sdkk : sdps;
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+        for (int v = 0; v < 2; ++v) f[nt][v] = mma::pack_bf16(x[nt][2 * v], x[nt][2 * v + 1]);
+      st_frag(smem + kADw + t * kATile, m0, j0, f);
+    }
+  }
+  wgmma::fence_proxy_async();
+  __syncthreads();
+  wg_issue<4, 0, 1>(dq, desc_k(kADw), desc_mn(kK, C, ch), false);
+  wg_issue<4, 1, 1>(dk, desc_mn(kADw, C), desc_mn(kQ, C, ch), false);
+  wg_issue<4, 0, 1>(dk, desc_k(kADw + kATile), desc_mn(kK, C, ch), false);
+  wg_issue<4, 1, 1>(dk, desc_mn(kADw + kATile, C), desc_mn(kK, C, ch), false);
+  wgmma::commit();
+  wg_wait<0>(dq);
+  wg_done(dk);
 
   // dq, dk through the L2 norm's backward: d_raw = (d - x (d . x)) r, x = raw r (fp32).
   if (p.use_qk_l2norm) {
