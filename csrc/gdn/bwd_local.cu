@@ -47,12 +47,12 @@
 //   and this kernel read (docs/kernels.md, "Backward"; its rounding: tools/gdn_bwd_tape_precision.py).
 // - Shared memory (215 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
 //   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dA^T / A^T dA (fp32, 18 KB, in
-//   turn) and row vectors; after the head loop the group's dPs and dkk over A and dw. The next value head's tiles but A
-//   (128 KB) and its gates are requested as soon as the current head's first phases have
-//   read them, its A once the current head's dv is stored: into where the current dw was
-//   (A and dw trade places from head to head), so it lands under the second half of
-//   phase 2 while that still reads the current A (on the last head: the raw q, k rows for
-//   the norm's backward).
+//   turn) and row vectors; after the head loop the group's dPs and dkk over A and dw. The
+//   next value head's tiles but A (128 KB) and its gates are requested as soon as the
+//   current head's first phases have read them, its A once the current head's dv is
+//   stored: into where the current dw was (A and dw trade places from head to head), so it
+//   lands under the second half of phase 2 while that still reads the current A (on the
+//   last head: the raw q, k rows for the norm's backward).
 // - Loads by TMA from one thread (common/tma_sm90.cuh), 11 boxes a value head on one
 //   mbarrier whose phase flips per head, rows past a ragged chunk's end zeroed after the
 //   wait: issued as per-thread cp.async they cost 7 % of the kernel's issue samples (their
