@@ -8,8 +8,9 @@ For each shape (the benchmark's shapes and inputs, deterministic, in-op L2 norm)
 warm-up steps, then one profiled step (torch.profiler, its chrome trace read back), and a
 table of its kernels in order of start: start and end in µs from the first kernel's
 start, duration, stream, grid and block, registers a thread and dynamic shared memory.
-Below it, per stream the busy time, and the step's gaps: the intervals in which no kernel
-runs (the host or a dependency holding the device). docs/kernels.md, Backward, reads it.
+Below it, the step's busy time (the union of the kernels' intervals) and its gaps (where
+no kernel runs: the host or a dependency holding the device), and per stream the sum of
+its kernels' durations. docs/kernels.md, Backward ("The step on a timeline"), reads it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
+from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import cake_ops  # noqa: E402
 from cake_ops.bench.shapes import SHAPES, make_inputs  # noqa: E402
@@ -40,7 +42,7 @@ def step_fn(inp, op: str, save_mode: str):
 
     def step():
         if op == "ckpt":
-            o = torch.utils.checkpoint.checkpoint(fn, *leaves, use_reentrant=False)
+            o = checkpoint(fn, *leaves, use_reentrant=False)
         else:
             o = fn(*leaves)
         return torch.autograd.grad(o, leaves, inp.do)
@@ -56,7 +58,8 @@ def kernels_of(step) -> list[dict]:
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "trace.json")
         prof.export_chrome_trace(path)
-        events = json.load(open(path))["traceEvents"]
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
     out = [e for e in events if e.get("cat") in ("kernel", "gpu_memset", "gpu_memcpy") and e.get("ph") == "X"]
     return sorted(out, key=lambda e: e["ts"])
 
