@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import cake_ops  # noqa: E402
 from cake_ops.bench.shapes import SHAPES, make_inputs  # noqa: E402
-from cake_ops.bench.timing import short_kernel_name  # noqa: E402
+from cake_ops.bench.timing import busy_us, short_kernel_name  # noqa: E402
 
 
 def step_fn(inp, op: str, save_mode: str):
@@ -66,20 +66,20 @@ def kernels_of(step) -> list[dict]:
 
 def summary(ks: list[dict]) -> dict:
     """Of trace events (each with ts, dur in µs and args.stream): the step's length from the
-    first start, the busy time (the union of the intervals), the gaps between them (start
-    offset, length) and each stream's sum of durations."""
+    first start, the busy time (the union of the intervals, as the bench's kernel_ms), the
+    gaps between them (start offset, length) and each stream's sum of durations."""
     t0 = ks[0]["ts"]
-    busy, gaps, end = 0.0, [], t0
-    for s, f in sorted((e["ts"], e["ts"] + e["dur"]) for e in ks):
+    spans = sorted((e["ts"], e["ts"] + e["dur"]) for e in ks)
+    gaps, end = [], t0
+    for s, f in spans:
         if s > end:
             gaps.append((end - t0, s - end))
-        busy += max(0.0, f - max(s, end))
         end = max(end, f)
     per_stream: dict = {}
     for e in ks:
         stream = e.get("args", {}).get("stream", "-")
         per_stream[stream] = per_stream.get(stream, 0.0) + e["dur"]
-    return {"step": end - t0, "busy": busy, "gaps": gaps, "per_stream": per_stream}
+    return {"step": end - t0, "busy": busy_us(spans), "gaps": gaps, "per_stream": per_stream}
 
 
 def report(name: str, ks: list[dict]) -> None:

@@ -19,8 +19,9 @@
 //
 // Why it is as it is:
 // - One CTA of 8 warps per (slot, q/k head): q, k (normalised once into bf16 in shared
-//   memory), q k^T and k k^T (fp32, registers) are shared by the G value heads, and dq, dk
-//   accumulate over the group in registers in a fixed order: no atomics, no partial buffers.
+//   memory) are shared by the G value heads, and dq, dk accumulate over the group in
+//   registers in a fixed order: no atomics, no partial buffers. q k^T and k k^T are formed
+//   again per value head: holding them across the loop would take 32 registers more.
 // - dPs and dkk enter dq and dk only through products with q and k, which are the same
 //   for every value head of the group: so they are summed over the group in fp32
 //   registers, and those four products (dq += dPs k, dk += dPs^T q + dkk k + dkk^T k, 4.2
