@@ -160,9 +160,9 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 // cuts are truncated and cost a short walk each, about kSummaryWave per wave of them;
 // the exact ones (slow heads) walk E_s and M_s over the whole segment, about kSummaryStep
 // a chunk, alongside; priced as split where value_splits_for would split them, the rule
-// the model was fitted under (the launch splits them more often, summary_splits_for: the
-// model does not credit that, so its choice of grid is the one measured). The chain:
-// kChainStep a segment. A cut plan must win by kMargin.
+// the model was fitted under. The launch splits them more often (summary_splits_for),
+// which the model does not credit, so that it keeps choosing the grids measured when it
+// was fitted. The chain: kChainStep a segment. A cut plan must win by kMargin.
 // Documents are taken as equally long (T / N): their lengths are on the device.
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count) {
   if (deterministic) return kGdnDetSegChunks;
