@@ -109,6 +109,14 @@ __global__ void __launch_bounds__(1024) gdn_fwd_plan_kernel(CuSeqlens cu, int64_
 // (docs/kernels.md, "Value split").
 int value_splits_for(double ctas, int sm_count) { return 2.0 * ctas <= sm_count ? 2 : 1; }
 
+// The summaries' split, for `walks` summary walks (E and M of each inner segment): most
+// are short (truncated cuts) and the launch lasts as long as its few whole-segment walks
+// (exact cuts, on slow heads), whose chunk steps the split shortens to about two thirds.
+// So it splits up to kSummarySplitWaves waves of walks, not only within one; past a few
+// waves the launch is bound by the walks' sum, which the split raises by about a third.
+constexpr double kSummarySplitWaves = 4.0;
+int summary_splits_for(double walks, int sm_count) { return walks <= kSummarySplitWaves * sm_count ? 2 : 1; }
+
 // The value splits of the walk and summary launches for a plan's shapes and cut grid.
 void choose_value_splits(GdnPlan& p) {
   // Segments per document, the documents taken as equally long (their lengths are on the device).
@@ -119,7 +127,7 @@ void choose_value_splits(GdnPlan& p) {
   }
   const double walks = static_cast<double>(std::max<int64_t>(p.N, 0) * p.HV);
   p.walk_splits = value_splits_for(walks * segs, p.sm_count);
-  p.summary_splits = value_splits_for(2.0 * walks * (segs - 1.0), p.sm_count);  // E and M of each inner segment
+  p.summary_splits = summary_splits_for(2.0 * walks * (segs - 1.0), p.sm_count);
 }
 
 // Byte offsets of consecutive pieces of one buffer, 256-byte aligned.
@@ -151,7 +159,10 @@ cudaError_t gdn_fwd_plan_launch(const GdnFwdArgs& p, cudaStream_t stream) {
 // value columns (value_splits_for) takes kSplitStep of a step per chunk. Summaries: most
 // cuts are truncated and cost a short walk each, about kSummaryWave per wave of them;
 // the exact ones (slow heads) walk E_s and M_s over the whole segment, about kSummaryStep
-// a chunk, alongside. The chain: kChainStep a segment. A cut plan must win by kMargin.
+// a chunk, alongside; priced as split where value_splits_for would split them, the rule
+// the model was fitted under. The launch splits them more often (summary_splits_for),
+// which the model does not credit, so that it keeps choosing the grids measured when it
+// was fitted. The chain: kChainStep a segment. A cut plan must win by kMargin.
 // Documents are taken as equally long (T / N): their lengths are on the device.
 int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool deterministic, int sm_count) {
   if (deterministic) return kGdnDetSegChunks;

@@ -124,10 +124,10 @@ struct GdnPlan {
 // deterministic, shape- and SM-count-dependent otherwise); >= 0 forces one (0: uncut;
 // an explicit grid cuts every document alike: no finer long-document grid).
 // value_splits: -1 lets the plan choose (2 where the split CTAs fit in one wave of
-// sm_count, else 1; the bits do not depend on it, so the deterministic variant chooses
-// too), 1 or 2 forces it. Forcing is for tests and tuning. keep_tapes (the full save
-// mode): the per-chunk block, with the tapes, lives apart from the workspace, for the
-// backward to read.
+// sm_count, the summaries' up to four waves of their walks, else 1; the bits do not
+// depend on it, so the deterministic variant chooses too), 1 or 2 forces it. Forcing is
+// for tests and tuning. keep_tapes (the full save mode): the per-chunk block, with the
+// tapes, lives apart from the workspace, for the backward to read.
 GdnPlan gdn_fwd_make_plan(int64_t T, int64_t N, int64_t H, int64_t HV, bool use_qk_l2norm, bool deterministic,
                           int sm_count, int segment_chunks = -1, int value_splits = -1, bool keep_tapes = false,
                           bool doc_flags = false);
