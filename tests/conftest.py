@@ -1,3 +1,5 @@
+import faulthandler
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -33,6 +35,33 @@ def record_accuracy(name: str, acc: Accuracy) -> None:
     old = _WORST.get(name)
     if old is None or (acc.rel_rms, acc.max_abs_ratio) > (old.rel_rms, old.max_abs_ratio) or not acc.finite:
         _WORST[name] = acc
+
+
+# No test may run longer than this (seconds; CAKE_OPS_TEST_TIMEOUT, 0: no limit): a kernel
+# that never finishes blocks the process in a CUDA call where no Python timeout reaches
+# it, and would spend a device call's whole limit without a word. faulthandler's watchdog
+# is a C thread: it prints every thread's stack (the test's file, line and function) to
+# the terminal and exits the process with status 1.
+TEST_TIMEOUT_S = float(os.environ.get("CAKE_OPS_TEST_TIMEOUT", "240"))
+_watchdog_out = None
+
+
+def pytest_configure(config):
+    global _watchdog_out
+    if TEST_TIMEOUT_S > 0:  # fd 2 as the terminal has it (the tests' own output is captured)
+        _watchdog_out = os.fdopen(os.dup(2), "w")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _watchdog_out is None:
+        yield
+        return
+    faulthandler.dump_traceback_later(TEST_TIMEOUT_S, exit=True, file=_watchdog_out)
+    try:
+        yield
+    finally:
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_collection_modifyitems(config, items):
