@@ -119,15 +119,14 @@ static_assert(kFLd % 32 == 8 && dat_row(C - 1) + C <= C * kFLd, "dA^T's rows fit
 constexpr int kXLd = 2 * kFLd;
 __host__ __device__ constexpr int xpos(int i, int m) { return ((i >> 4) * 8 + (i & 7)) * kXLd + 2 * m + ((i >> 3) & 1); }
 static_assert(kXLd % 32 == 16 && xpos(C - 1, C - 1) < C * kFLd, "X's row pairs fit the region, conflict-free");
-// Row vectors (floats).
+// Row vectors (floats), a block per value head parity (head j's at vec + (j & 1) *
+// kHeadVecFloats): head j's dg is formed during head j + 1 (token_gradients), from its block.
 constexpr int kVGl2 = 0;          // gcum log2(e)
 constexpr int kVEg = kVGl2 + C;   // e^gcum
 constexpr int kVDte = kVEg + C;   // e^(gl - gcum)
 constexpr int kVBeta = kVDte + C;
 constexpr int kVFloor = kVBeta + C;  // 1: g < kGdnGateFloor
-constexpr int kVRq = kVFloor + C;
-constexpr int kVRk = kVRq + C;
-constexpr int kVRowA = kVRk + C;       // [2][64] partial row sums per column half ch
+constexpr int kVRowA = kVFloor + C;    // [2][64] partial row sums per column half ch
 constexpr int kVRowT = kVRowA + 2 * C;
 constexpr int kVRowP = kVRowT + 2 * C;
 constexpr int kVRowL = kVRowP + 2 * C;
@@ -138,7 +137,11 @@ constexpr int kVColP = kVRowXu + 2 * C;  // [4][64] partial column sums per row 
 constexpr int kVColL = kVColP + 4 * C;
 constexpr int kVDot = kVColL + 4 * C;    // [8] per warp: sum(dS^T o S^T)
 constexpr int kVGamma = kVDot + 8;
-constexpr int kVecFloats = kVGamma + 8;
+constexpr int kHeadVecFloats = kVGamma + 8;
+// The group's: 1 / |q|, 1 / |k| per row.
+constexpr int kVRq = 2 * kHeadVecFloats;
+constexpr int kVRk = kVRq + C;
+constexpr int kVecFloats = kVRk + C;
 constexpr int kBar = kVec + kVecFloats * 4;  // the loads' mbarrier (8 bytes)
 constexpr int kSmemBytes = kBar + 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA an SM");
@@ -175,11 +178,6 @@ __host__ __device__ constexpr uint64_t desc_mn(int off, int rows, int block = 0)
 // Head j's A and dw tiles: the descriptor of head 0's advanced by the parity's offset.
 __device__ __forceinline__ uint64_t at_parity(uint64_t d0, int j, int delta_bytes) {
   return wgmma::desc_add(d0, static_cast<uint32_t>((j & 1) * (delta_bytes / 16)));  // two's complement: no borrow
-}
-
-__device__ __forceinline__ float load_beta(const void* beta, DType dtype, int64_t i) {
-  if (dtype == DType::kBFloat16) return __bfloat162float(static_cast<const __nv_bfloat16*>(beta)[i]);
-  return static_cast<const float*>(beta)[i];
 }
 
 // x as a value the compiler cannot move out of a loop: what is formed from it is formed
@@ -375,15 +373,28 @@ __device__ __forceinline__ void tma_tile(uint32_t dst, const CUtensorMap* map, i
   tma::load_box_3d(dst + kRows * 128, map, 64, c1, c2, bar);
 }
 
-// A value head's tiles but A (do, S^T, dS^T, v, dv_new), by one thread, onto `bar`:
-// value head hv's rows from token t0, and its tapes' tile `tape`.
-__device__ __forceinline__ void load_head(const BwdLocalMaps& m, uint32_t s, uint32_t bar, int tape, int hv, int t0) {
-  tma_tile(s + kDo, &m.dout, hv, t0, bar);
-  tma_tile<D>(s + kHT, &m.h, 0, tape, bar);
-  tma_tile<D>(s + kDS, &m.ds, 0, tape, bar);
-  tma_tile(s + kV, &m.v, hv, t0, bar);
-  tma_tile(s + kDvn, &m.dv_new, hv, t0, bar);
+// Box b (0 .. 9) of a value head's tiles but A (do, S^T, dS^T, v, dv_new, two column boxes
+// each), onto `bar`: value head hv's rows from token t0, and its tapes' tile `tape`.
+constexpr int kHeadBoxes = 10;
+__device__ __forceinline__ void load_head_box(const BwdLocalMaps& m, uint32_t s, uint32_t bar, int tape, int hv, int t0,
+                                              int b) {
+  const int c0 = 64 * (b & 1);
+  switch (b >> 1) {
+    case 0: tma::load_box_3d(s + kDo + (b & 1) * C * 128, &m.dout, c0, hv, t0, bar); break;
+    case 1: tma::load_box_3d(s + kHT + (b & 1) * D * 128, &m.h, c0, 0, tape, bar); break;
+    case 2: tma::load_box_3d(s + kDS + (b & 1) * D * 128, &m.ds, c0, 0, tape, bar); break;
+    case 3: tma::load_box_3d(s + kV + (b & 1) * C * 128, &m.v, c0, hv, t0, bar); break;
+    default: tma::load_box_3d(s + kDvn + (b & 1) * C * 128, &m.dv_new, c0, hv, t0, bar); break;
+  }
 }
+
+// The boxes [first, last) of a value head that warp w issues (lane 0), under phase 2's X
+// product: issuing a TMA box takes its thread about 0.1 us, so ten boxes on one thread held
+// its warp, and with it every warp at the next barrier, about 0.7 us a head (clock stamps at
+// the phases, docs/experiments.md). They go to the warps of rows 32 .. 63 (rb 2, 3), whose
+// share of X's triangle is the smallest.
+__device__ __forceinline__ int head_box_first(int w) { return w == 3 ? 0 : w == 7 ? 3 : w == 2 ? 6 : w == 6 ? 8 : 0; }
+__device__ __forceinline__ int head_box_last(int w) { return w == 3 ? 3 : w == 7 ? 6 : w == 2 ? 8 : w == 6 ? 10 : 0; }
 
 // A ragged chunk (its document's last): the rows r >= len of a 64 x 128 tile came from the
 // next document (or are zeros past T); they are zeroed, so that no other document's values
@@ -394,18 +405,80 @@ __device__ __forceinline__ void zero_rows(unsigned char* tile, int len) {
 }
 
 // Token i's gate inputs of a value head, read from global memory a head ahead (by the
-// threads i < 64) and turned into the row vectors at the head's start.
+// threads i < 64) as raw words and turned into the row vectors at the head's start: a
+// compare or conversion right after the load would wait on it there.
 struct TokenGates {
-  float gcum, gl, beta;
-  bool floor;  // g < kGdnGateFloor
+  float gcum, gl, g;
+  uint32_t beta;  // the bf16's 16 bits, or the fp32's 32; 0 past the document's end
 };
 
 __device__ __forceinline__ TokenGates load_gates(const GdnBwdLocalArgs& p, int64_t slot, int64_t hv, int64_t t0,
                                                  int len, int i) {
   const float* gc = p.gcum + (slot * p.HV + hv) * C;
-  const bool real = i < len;
   const int64_t idx = (t0 + i) * p.HV_stride + hv;
-  return {gc[i], gc[C - 1], real ? load_beta(p.beta, p.beta_dtype, idx) : 0.f, real && p.g[idx] < kGdnGateFloor};
+  TokenGates t{gc[i], gc[C - 1], 0.f, 0u};
+  if (i < len) {
+    t.g = p.g[idx];
+    t.beta = p.beta_dtype == DType::kBFloat16 ? static_cast<uint32_t>(static_cast<const uint16_t*>(p.beta)[idx])
+                                              : static_cast<const uint32_t*>(p.beta)[idx];
+  }
+  return t;
+}
+
+// A value head's d gcum and dbeta per token from its row vectors and sums (hvec, the
+// block of its parity), and dg = the reverse cumsum of d gcum, stored: by one warp (lane: its
+// tokens lane, lane + 32), while another head's products keep the other warps busy.
+__device__ __forceinline__ void token_gradients(const GdnBwdLocalArgs& p, const float* hvec, int64_t t0, int len,
+                                                int64_t hv, int lane) {
+  const float* eg = hvec + kVEg;
+  const float* bet = hvec + kVBeta;
+  float dgc[2], dbt[2], tsum = 0.f;
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int i = lane + 32 * s;
+    const bool real = i < len;
+    const float xw = hvec[kVRowXw + i] + hvec[kVRowXw + C + i];
+    const float tt = hvec[kVRowT + i] + hvec[kVRowT + C + i];
+    const float colp = ((hvec[kVColP + i] + hvec[kVColP + C + i]) + hvec[kVColP + 2 * C + i]) + hvec[kVColP + 3 * C + i];
+    const float coll = ((hvec[kVColL + i] + hvec[kVColL + C + i]) + hvec[kVColL + 2 * C + i]) + hvec[kVColL + 3 * C + i];
+    float d = hvec[kVRowA + i] + hvec[kVRowA + C + i];
+    d += (hvec[kVRowP + i] + hvec[kVRowP + C + i]) - colp;
+    d -= tt;
+    d += (hvec[kVRowL + i] + hvec[kVRowL + C + i]) - coll;
+    d += bet[i] * eg[i] * xw;
+    dgc[s] = real ? d : 0.f;
+    dbt[s] = (hvec[kVRowB + i] + hvec[kVRowB + C + i]) + eg[i] * xw + (hvec[kVRowXu + i] + hvec[kVRowXu + C + i]);
+    tsum += real ? tt : 0.f;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) tsum += __shfl_xor_sync(0xffffffffu, tsum, o);
+  float dot = 0.f;
+#pragma unroll
+  for (int w = 0; w < 8; ++w) dot += hvec[kVDot + w];
+  const float dgl = tsum + dot * hvec[kVGamma];
+#pragma unroll
+  for (int s = 0; s < 2; ++s)
+    if (lane + 32 * s == len - 1) dgc[s] += dgl;
+  // Suffix sums over the lanes (Hillis-Steele, shuffle down), the upper half first.
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int s = 0; s < 2; ++s) {
+      const float y = __shfl_down_sync(0xffffffffu, dgc[s], o);
+      if (lane + o < 32) dgc[s] += y;
+    }
+  }
+  dgc[0] += __shfl_sync(0xffffffffu, dgc[1], 0);
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+    const int i = lane + 32 * s;
+    if (i < len) {
+      const int64_t idx = (t0 + i) * p.HV_stride + hv;
+      p.dg[idx] = hvec[kVFloor + i] != 0.f ? 0.f : dgc[s];
+      if (p.beta_dtype == DType::kBFloat16) static_cast<__nv_bfloat16*>(p.dbeta)[idx] = __float2bfloat16(dbt[s]);
+      else static_cast<float*>(p.dbeta)[idx] = dbt[s];
+    }
+  }
 }
 
 __global__ void __launch_bounds__(kThreads, 1)
@@ -440,10 +513,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   const uint32_t sBase = mma::smem_addr(smem), sQ = sBase + kQ, sK = sBase + kK;
   if (tid == 0 && (sBase & 0x3FFFF) != kSmemWindow) __trap();  // the descriptors' addresses (kSmemWindow)
-  const float* gl2 = vec + kVGl2;
-  const float* eg = vec + kVEg;
-  const float* dte = vec + kVDte;
-  const float* bet = vec + kVBeta;
   float* fA = reinterpret_cast<float*>(smem + kDA);
 
   // Prologue: q, k and the first value head's tiles and gates in flight.
@@ -463,7 +532,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     tma::mbar_arrive_expect_tx(bar, kQKBytes + kHeadBytes + kABytes);
     tma_tile(sQ, &maps.q, h, t0, bar);
     tma_tile(sK, &maps.k, h, t0, bar);
-    load_head(maps, sBase, bar, tape_of(hv_first), static_cast<int>(hv_first), t0);
+    for (int b = 0; b < kHeadBoxes; ++b)
+      load_head_box(maps, sBase, bar, tape_of(hv_first), static_cast<int>(hv_first), t0, b);
     tma::load_box_3d(sBase + a_at(0), &maps.a, 0, 0, tape_of(hv_first), bar);
   }
   TokenGates gates{};
@@ -485,14 +555,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t dA_mn = at_parity(desc_mn(kADw, C), j, 2 * kATile);
     const uint64_t dDw_k = at_parity(desc_k(kADw + kATile), j, -kATile);
     const uint64_t dDw_mn = at_parity(desc_mn(kADw + kATile, C, ch), j, -kATile);
+    float* hvec = vec + (j & 1) * kHeadVecFloats;  // this head's row vectors and sums
+    const float* gl2 = hvec + kVGl2;
+    const float* eg = hvec + kVEg;
+    const float* dte = hvec + kVDte;
+    const float* bet = hvec + kVBeta;
     if (tid < C) {  // this head's row vectors
       const int i = tid;
-      vec[kVGl2 + i] = gates.gcum * mma::kLog2e;
-      vec[kVEg + i] = expf(gates.gcum);
-      vec[kVDte + i] = expf(gates.gl - gates.gcum);
-      vec[kVBeta + i] = gates.beta;
-      vec[kVFloor + i] = gates.floor ? 1.f : 0.f;
-      if (i == 0) vec[kVGamma] = expf(gates.gl);
+      hvec[kVGl2 + i] = gates.gcum * mma::kLog2e;
+      hvec[kVEg + i] = expf(gates.gcum);
+      hvec[kVDte + i] = expf(gates.gl - gates.gcum);
+      hvec[kVBeta + i] = __uint_as_float(p.beta_dtype == DType::kBFloat16 ? gates.beta << 16 : gates.beta);
+      hvec[kVFloor + i] = i < len && gates.g < kGdnGateFloor ? 1.f : 0.f;
+      if (i == 0) hvec[kVGamma] = expf(gates.gl);
     }
     tma::mbar_wait(bar, j & 1);
     if (len < C) {  // rows past the document's end (q, k once)
@@ -579,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     {  // dq += scale eg dq_gated; d gcum += scale eg (dq_gated . q)
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<true>(dq, g2, smem + kQ, [&](int i) { return scale * eg[i]; }, rs, m0, n0, lane);
-      store_row_sums(rs, vec + kVRowA + C * ch, m0, lane);
+      store_row_sums(rs, hvec + kVRowA + C * ch, m0, lane);
     }
     wg_issue<8, 0, 1>(g2, desc_k(kDvn), desc_mn(kHT, D, ch), true);  // dv_new S^T = -dw
     wgmma::commit();
@@ -612,7 +687,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     {  // dk += dte dk_decayed; t = dte (dk_decayed . k)
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<true>(dk, g1, smem + kK, [&](int i) { return dte[i]; }, rs, m0, n0, lane);
-      store_row_sums(rs, vec + kVRowT + C * ch, m0, lane);
+      store_row_sums(rs, hvec + kVRowT + C * ch, m0, lane);
     }
     {  // sum(dS o S) over the K x V entries
       float s = 0.f;
@@ -644,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-      if (lane == 0) vec[kVDot + warp] = s;
+      if (lane == 0) hvec[kVDot + warp] = s;
     }
     wg_wait<0>(dpm);
     wg_done(qk);
@@ -668,8 +743,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      store_row_sums(rs, vec + kVRowP + C * ch, m0, lane);
-      store_col_sums<4>(cs, vec + kVColP + C * rb, j0, lane);
+      store_row_sums(rs, hvec + kVRowP + C * ch, m0, lane);
+      store_col_sums<4>(cs, hvec + kVColP + C * rb, j0, lane);
     }
     wgmma::fence_proxy_async();
     __syncthreads();  // dw complete
@@ -706,7 +781,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wg_wait<1>(acc);
       float rs[2] = {0.f, 0.f};
       add_scaled_rows<false>(dk, acc, smem + kK, [&](int i) { return bet[i] * eg[i]; }, rs, m0, n0, lane);
-      store_row_sums(rs, vec + kVRowXw + C * ch, m0, lane);
+      store_row_sums(rs, hvec + kVRowXw + C * ch, m0, lane);
     }
     // Row sums dXu . v; dv = beta dXu, staged over dw once every warp has read dw (dA
     // above), so held in registers across the barrier.
@@ -723,7 +798,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           rs[v] = fmaf(dxu[nt][2 * v], x.x, fmaf(dxu[nt][2 * v + 1], x.y, rs[v]));
         }
       }
-      store_row_sums(rs, vec + kVRowXu + C * ch, m0, lane);
+      store_row_sums(rs, hvec + kVRowXu + C * ch, m0, lane);
     }
     __syncthreads();  // dA complete; do, v_new, S^T, dS^T, v, dv_new, dw read
     {
@@ -738,10 +813,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
 
     if (j + 1 < G) {
-      if (tid == 0) {
-        tma::mbar_arrive_expect_tx(bar, kHeadBytes + kABytes);
-        load_head(maps, sBase, bar, tape_of(hv + 1), static_cast<int>(hv + 1), t0);
-      }
+      // Thread 0 announces the bytes; a box may complete first (the phase still waits for
+      // the arrival).
+      if (tid == 0) tma::mbar_arrive_expect_tx(bar, kHeadBytes + kABytes);
+      if (lane == 0)
+        for (int b = head_box_first(warp); b < head_box_last(warp); ++b)
+          load_head_box(maps, sBase, bar, tape_of(hv + 1), static_cast<int>(hv + 1), t0, b);
       if (tid < C) gates = load_gates(p, slot, hv + 1, t0, len, tid);
     } else if (p.use_qk_l2norm && tid == 0) {  // the raw rows for the norm's backward
       tma::mbar_arrive_expect_tx(bar, kQKBytes);
@@ -794,7 +871,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma::fence_proxy_async();  // dw's and dv's stores precede the next A's TMA write there
       __syncthreads();  // X complete (rounded to TF32, the next product's operand); dv stored
     }
-    if (j + 1 < G && tid == 0)  // the next head's A, where this head's dw was
+    if (j + 1 < G && tid == 4 * 32)  // the next head's A, where this head's dw was (warp 4: no share of Y)
       tma::load_box_3d(sBase + a_at(j + 1), &maps.a, 0, 0, tape_of(hv + 1), bar);
     {  // Y = X A^T (Y_ij = sum_{m <= j} X_im A_jm), wanted for i > j only: m < min(j, i) + 1
       float y[4][4];
@@ -852,62 +929,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           }
         }
       }
-      store_row_sums(rb_s, vec + kVRowB + C * ch, m0, lane);
-      store_row_sums(rl_s, vec + kVRowL + C * ch, m0, lane);
-      store_col_sums<4>(cs, vec + kVColL + C * rb, j0, lane);
+      store_row_sums(rb_s, hvec + kVRowB + C * ch, m0, lane);
+      store_row_sums(rl_s, hvec + kVRowL + C * ch, m0, lane);
+      store_col_sums<4>(cs, hvec + kVColL + C * rb, j0, lane);
     }
-    __syncthreads();  // every row / column sum complete
-
-    if (warp == 0) {  // d gcum, dbeta per token; dg = reverse cumsum of d gcum
-      float dgc[2], dbt[2], tsum = 0.f;
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int i = lane + 32 * s;
-        const bool real = i < len;
-        const float xw = vec[kVRowXw + i] + vec[kVRowXw + C + i];
-        const float tt = vec[kVRowT + i] + vec[kVRowT + C + i];
-        const float colp = ((vec[kVColP + i] + vec[kVColP + C + i]) + vec[kVColP + 2 * C + i]) + vec[kVColP + 3 * C + i];
-        const float coll = ((vec[kVColL + i] + vec[kVColL + C + i]) + vec[kVColL + 2 * C + i]) + vec[kVColL + 3 * C + i];
-        float d = vec[kVRowA + i] + vec[kVRowA + C + i];
-        d += (vec[kVRowP + i] + vec[kVRowP + C + i]) - colp;
-        d -= tt;
-        d += (vec[kVRowL + i] + vec[kVRowL + C + i]) - coll;
-        d += bet[i] * eg[i] * xw;
-        dgc[s] = real ? d : 0.f;
-        dbt[s] = (vec[kVRowB + i] + vec[kVRowB + C + i]) + eg[i] * xw + (vec[kVRowXu + i] + vec[kVRowXu + C + i]);
-        tsum += real ? tt : 0.f;
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) tsum += __shfl_xor_sync(0xffffffffu, tsum, o);
-      float dot = 0.f;
-#pragma unroll
-      for (int w = 0; w < 8; ++w) dot += vec[kVDot + w];
-      const float dgl = tsum + dot * vec[kVGamma];
-#pragma unroll
-      for (int s = 0; s < 2; ++s)
-        if (lane + 32 * s == len - 1) dgc[s] += dgl;
-      // Suffix sums over the lanes (Hillis-Steele, shuffle down), the upper half first.
-#pragma unroll
-      for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-        for (int s = 0; s < 2; ++s) {
-          const float y = __shfl_down_sync(0xffffffffu, dgc[s], o);
-          if (lane + o < 32) dgc[s] += y;
-        }
-      }
-      dgc[0] += __shfl_sync(0xffffffffu, dgc[1], 0);
-#pragma unroll
-      for (int s = 0; s < 2; ++s) {
-        const int i = lane + 32 * s;
-        if (i < len) {
-          const int64_t idx = (t0 + i) * HV_row + hv;
-          p.dg[idx] = vec[kVFloor + i] != 0.f ? 0.f : dgc[s];
-          if (p.beta_dtype == DType::kBFloat16) static_cast<__nv_bfloat16*>(p.dbeta)[idx] = __float2bfloat16(dbt[s]);
-          else static_cast<float*>(p.dbeta)[idx] = dbt[s];
-        }
-      }
-    }
-    __syncthreads();  // the head's shared memory may be refilled
+    // The previous head's dg and dbeta, by warp 4: its share of Y is empty (rows 0 .. 15,
+    // columns 32 .. 63: above the diagonal), while warp 7 runs four k-steps of it. Formed on
+    // warp 0 after the head's last barrier, they held the other seven warps about 0.6 us a
+    // head (docs/experiments.md).
+    if (warp == 4 && j > 0) token_gradients(p, vec + (~j & 1) * kHeadVecFloats, t0, len, hv - 1, lane);
+    __syncthreads();  // the previous head's block read: the next head's vectors go there
   }
 
   // dq += dPs k, dk += dPs^T q + dkk k + dkk^T k on the group's sums, staged in bf16 in the
@@ -931,6 +962,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   wg_issue<4, 0, 1>(dk, desc_k(kADw + kATile), desc_mn(kK, C, ch), false);
   wg_issue<4, 1, 1>(dk, desc_mn(kADw + kATile, C), desc_mn(kK, C, ch), false);
   wgmma::commit();
+  // The last head's dg and dbeta under these products (warp 4 as in the loop).
+  if (warp == 4) token_gradients(p, vec + ((G - 1) & 1) * kHeadVecFloats, t0, len, hv_first + G - 1, lane);
   wg_wait<0>(dq);
   wg_done(dk);
 
@@ -959,7 +992,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           rs[v] = fmaf(d[nt][2 * v], x.x * ri, fmaf(d[nt][2 * v + 1], x.y * ri, rs[v]));
         }
       }
-      store_row_sums(rs, vec + (t ? kVRowT : kVRowA) + C * ch, m0, lane);
+      store_row_sums(rs, vec + (G & 1) * kHeadVecFloats + (t ? kVRowT : kVRowA) + C * ch, m0, lane);
     }
     __syncthreads();
 #pragma unroll
@@ -967,7 +1000,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       float(&d)[8][4] = t ? dk : dq;
       const unsigned char* raw = smem + (t ? kVn : kDo);
       const float* r = vec + (t ? kVRk : kVRq);
-      const float* dot = vec + (t ? kVRowT : kVRowA);
+      const float* dot = vec + (G & 1) * kHeadVecFloats + (t ? kVRowT : kVRowA);
       uint32_t xf[8][2];
       ld_frag(xf, raw, m0, n0);
 #pragma unroll
