@@ -792,7 +792,10 @@ def gdn(
         t is not None and t.requires_grad for t in (q, packed["k"], packed["v"], packed["g"], packed["beta"],
                                                    initial_state))
     full, discarded, stand_in, keeper = save_mode == "full" and saves, False, False, None
-    if not torch.compiler.is_compiling():  # traced, there is no frame to read (and no Python state to keep)
+    # Traced, there is no frame to read and no Python state to keep: `_call` is left alone (a
+    # write to it inside a compiled checkpoint region is a side effect Dynamo refuses).
+    traced = torch.compiler.is_compiling()
+    if not traced:
         def cuda():
             return _cuda_kernels(*args[:6], args[7])
 
@@ -807,7 +810,8 @@ def gdn(
         _last_call.update(record)
     if keeper is not None:
         checkpointing.release_kept_tapes(keeper)
-    _call.discarded, _call.stand_in = discarded, stand_in
+    if not traced:
+        _call.discarded, _call.stand_in = discarded, stand_in
     try:
         if full:
             o, final_state, tapes = torch.ops.cake.gdn_fwd_full(*args)
@@ -816,7 +820,8 @@ def gdn(
         else:
             o, final_state = torch.ops.cake.gdn_fwd(*args)
     finally:
-        _call.discarded = _call.stand_in = False
+        if not traced:
+            _call.discarded = _call.stand_in = False
     if batch is not None:
         o = o.unflatten(0, batch)
     return o, (final_state if output_final_state else None)

@@ -5,6 +5,7 @@ and the reason in ``gdn_diagnostics()``. Counts the forwards that really run (th
 PyTorch path's function, or the CUDA extension's op), on both devices."""
 
 import contextlib
+import threading
 
 import pytest
 import torch
@@ -188,15 +189,36 @@ def test_recompute_output_refused_before_any_compute(device, monkeypatch):
     assert calls == []
 
 
+def threading_run(fn):
+    """fn() in a new thread (whose thread-local state no earlier test has set); its result,
+    or its exception raised here."""
+    box = {}
+
+    def run():
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # re-raised in the caller's thread
+            box["error"] = e
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
 def test_compiled_checkpointed_step_launches_and_matches_eager(monkeypatch):
     """Traced by torch.compile the proof is never read (the frame is the compiler's):
-    a compiled, checkpointed step gives the eager gradients."""
+    a compiled, checkpointed step gives the eager gradients. Compiled first, in a thread
+    whose per-call flags no eager call has set yet (as the example's first step): a write
+    to them inside the checkpoint region was a side effect Dynamo refused (fullgraph)."""
     leaves, cu = _inputs("cpu", False)
     f = _region(cu, False)
-    eager = _grads(lambda *x: checkpoint(f, *x, use_reentrant=False), leaves)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda *x: checkpoint(f, *x, use_reentrant=False), fullgraph=True, backend="aot_eager")
-    got = _grads(compiled, leaves)
+    got = threading_run(lambda: _grads(torch.compile(lambda *x: checkpoint(f, *x, use_reentrant=False),
+                                                     fullgraph=True, backend="aot_eager"), leaves))
+    eager = _grads(lambda *x: checkpoint(f, *x, use_reentrant=False), leaves)
     for a, b in zip(got, eager):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
