@@ -46,16 +46,16 @@
 // - v_new is not a tape: two products a value head (k S, then A times beta (v - eg k S))
 //   form it from the S^T tape, against 16 KB a chunk and value head the walk would write
 //   and this kernel read (docs/kernels.md, "Backward"; its rounding: tools/gdn_bwd_tape_precision.py).
-// - Shared memory (215 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
+// - Shared memory (221 KB, one CTA an SM): q, k, do, v, v_new, dv_new (16 KB each), S^T,
 //   dS^T (32 KB each), A (8 KB), dw / dv (16 KB, in turn), dA^T / A^T dA (fp32, 18 KB, in
-//   turn) and row vectors; after the head loop the group's dPs and dkk over A and dw. The
+//   turn) and row vectors (a block per head parity: a head's dg is formed during the next); after the head loop the group's dPs and dkk over A and dw. The
 //   next value head's tiles but A (128 KB) and its gates are requested as soon as the
 //   current head's first phases have read them, its A once the current head's dv is
 //   stored: into where the current dw was (A and dw trade places from head to head), so it
 //   lands under the second half of phase 2 while that still reads the current A (on the
 //   last head: the raw q, k rows for the norm's backward).
-// - Loads by TMA from one thread (common/tma_sm90.cuh), 11 boxes a value head on one
-//   mbarrier whose phase flips per head, rows past a ragged chunk's end zeroed after the
+// - Loads by TMA (common/tma_sm90.cuh), 11 boxes a value head on one mbarrier whose phase
+//   flips per head, issued by five warps (head_box_first), rows past a ragged chunk's end zeroed after the
 //   wait: issued as per-thread cp.async they cost 7 % of the kernel's issue samples (their
 //   address arithmetic, and stalls on the load queue; ncu, docs/experiments.md).
 // - Exponents are differences of chunk-local cumsums, selected to 0 above the diagonal
@@ -389,10 +389,9 @@ __device__ __forceinline__ void load_head_box(const BwdLocalMaps& m, uint32_t s,
 }
 
 // The boxes [first, last) of a value head that warp w issues (lane 0), under phase 2's X
-// product: issuing a TMA box takes its thread about 0.1 us, so ten boxes on one thread held
-// its warp, and with it every warp at the next barrier, about 0.7 us a head (clock stamps at
-// the phases, docs/experiments.md). They go to the warps of rows 32 .. 63 (rb 2, 3), whose
-// share of X's triangle is the smallest.
+// product: ten boxes issued by one thread held its warp, and with it every warp at the next
+// barrier. They go to the warps of rows 32 .. 63 (rb 2, 3), whose share of X's triangle is
+// the smallest. (With the dg work below: the kernel 3 % faster, docs/experiments.md.)
 __device__ __forceinline__ int head_box_first(int w) { return w == 3 ? 0 : w == 7 ? 3 : w == 2 ? 6 : w == 6 ? 8 : 0; }
 __device__ __forceinline__ int head_box_last(int w) { return w == 3 ? 3 : w == 7 ? 6 : w == 2 ? 8 : w == 6 ? 10 : 0; }
 
@@ -934,9 +933,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       store_col_sums<4>(cs, hvec + kVColL + C * rb, j0, lane);
     }
     // The previous head's dg and dbeta, by warp 4: its share of Y is empty (rows 0 .. 15,
-    // columns 32 .. 63: above the diagonal), while warp 7 runs four k-steps of it. Formed on
-    // warp 0 after the head's last barrier, they held the other seven warps about 0.6 us a
-    // head (docs/experiments.md).
+    // columns 32 .. 63: above the diagonal), while warp 7 runs four k-steps of it. Formed by
+    // one warp after the head's last barrier, they held the other seven warps at the next.
     if (warp == 4 && j > 0) token_gradients(p, vec + (~j & 1) * kHeadVecFloats, t0, len, hv - 1, lane);
     __syncthreads();  // the previous head's block read: the next head's vectors go there
   }
