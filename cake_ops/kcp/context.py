@@ -133,6 +133,15 @@ class KcpContext:
     serial: int = dataclasses.field(default_factory=lambda: next(_serials))  # this context's, in graph replay keys
     _tables: dict = dataclasses.field(default_factory=dict, repr=False)
 
+    def __post_init__(self):
+        # The plan's derived views (the cached properties below), formed now rather than at
+        # their first use: a first use while torch.compile traces a checkpoint region would
+        # write to the context there, which Dynamo refuses (and Python 3.11's
+        # cached_property takes a lock it cannot trace).
+        for name, attr in type(self).__dict__.items():
+            if isinstance(attr, functools.cached_property):
+                getattr(self, name)
+
     @property
     def documents(self) -> int:
         return len(self.cu_seqlens_global) - 1
@@ -213,12 +222,20 @@ class KcpContext:
                 count[frags[-1][0]] += 1
         return max(count)
 
+    def _table(self, key: tuple, make):
+        """The table ``key``, made by ``make()`` at its first use and kept, except while
+        torch.compile traces: the trace makes it in the graph, and keeps nothing (a write
+        to the context inside a compiled checkpoint region is a side effect Dynamo refuses)."""
+        if key in self._tables:
+            return self._tables[key]
+        table = make()
+        if not torch.compiler.is_compiling():
+            self._tables[key] = table
+        return table
+
     def chain_tables(self, device: torch.device) -> ChainTables:
         """The chain's index tensors on ``device`` (made at the first call per device)."""
-        key = ("chain", device)
-        if key not in self._tables:
-            self._tables[key] = _chain_tables(self, device)
-        return self._tables[key]
+        return self._table(("chain", device), lambda: _chain_tables(self, device))
 
     def relay_segments(self, device: torch.device, HV: int, segment_chunks: int) -> SubBatch:
         """This rank's relays' rows cut into the grid segments of their walks, each segment
@@ -226,24 +243,16 @@ class KcpContext:
         flagged to open and close inside its document and, on the plan's grid
         (``segment_chunks`` = -1), of the relay's document's grid class: the summaries of
         those segments are the ones a call on the relay chains (docs/kcp.md, "Relays")."""
-        key = ("relay_segments", device, HV, segment_chunks)
-        if key not in self._tables:
-            self._tables[key] = _relay_segments(self, device, HV, segment_chunks)
-        return self._tables[key]
+        return self._table(("relay_segments", device, HV, segment_chunks),
+                           lambda: _relay_segments(self, device, HV, segment_chunks))
 
     def ring_tables(self, device: torch.device) -> tuple[RingStep, ...]:
         """The ring exchange's steps on ``device`` (made at the first call per device)."""
-        key = ("ring", device)
-        if key not in self._tables:
-            self._tables[key] = _ring_steps(self, device)
-        return self._tables[key]
+        return self._table(("ring", device), lambda: _ring_steps(self, device))
 
     def halo_tables(self, device: torch.device) -> HaloTables:
         """The short convolution's halo index tensors on ``device`` (``conv_width``)."""
-        key = ("halo", device)
-        if key not in self._tables:
-            self._tables[key] = _halo_tables(self, device)
-        return self._tables[key]
+        return self._table(("halo", device), lambda: _halo_tables(self, device))
 
     @functools.cached_property
     def local_rows(self) -> torch.Tensor:
@@ -255,10 +264,8 @@ class KcpContext:
         """This rank's rows of a global packed tensor ``x`` [T, ...] (differentiable)."""
         if x.shape[0] != self.cu_seqlens_global[-1]:
             raise ValueError(f"x must have the global token count {self.cu_seqlens_global[-1]} rows, got {x.shape[0]}")
-        key = ("rows", x.device)
-        if key not in self._tables:  # one copy to the device per context, not per call
-            self._tables[key] = self.local_rows.to(x.device)
-        return x.index_select(0, self._tables[key])
+        # One copy to the device per context, not per call.
+        return x.index_select(0, self._table(("rows", x.device), lambda: self.local_rows.to(x.device)))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The global packed tensor [T, ...] from every rank's local rows ``x`` (a
@@ -268,16 +275,17 @@ class KcpContext:
         most = max(sum(f.tokens for f in frags) for frags in self.fragments)
         padded = torch.cat([x, x.new_zeros(most - x.shape[0], *x.shape[1:])]) if most > x.shape[0] else x
         every = collectives.all_gather(padded, self)  # [world * most, ...]
-        key = ("gather", x.device)
-        if key not in self._tables:  # the global order of the gathered rows, made once per device
-            order = torch.empty(self.cu_seqlens_global[-1], dtype=torch.int64)
+
+        def order():  # the global order of the gathered rows, made once per device
+            rows = torch.empty(self.cu_seqlens_global[-1], dtype=torch.int64)
             for r, frags in enumerate(self.fragments):
                 base = r * most
                 for f in frags:
-                    order[f.start:f.end] = torch.arange(base, base + f.tokens)
+                    rows[f.start:f.end] = torch.arange(base, base + f.tokens)
                     base += f.tokens
-            self._tables[key] = order.to(x.device)
-        return every.index_select(0, self._tables[key])
+            return rows.to(x.device)
+
+        return every.index_select(0, self._table(("gather", x.device), order))
 
 
 def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, output_final_state: bool = False,
@@ -383,11 +391,15 @@ class SubBatch:
     def grid_flags(self, HV: int) -> torch.Tensor:
         """``doc_flags`` with each fragment's grid class (``HALF_GRID`` or ``FULL_GRID``)
         at ``HV`` value heads: a fragment is cut at its whole document's grid, not at the
-        one its own length would choose (made once per HV)."""
-        if HV not in self._grid_flags:
-            bits = [HALF_GRID if half_grid(c, HV) else FULL_GRID for c in self.doc_chunks]
-            self._grid_flags[HV] = self.doc_flags | torch.tensor(bits, dtype=torch.uint8, device=self.doc_flags.device)
-        return self._grid_flags[HV]
+        one its own length would choose (made once per HV, kept as KcpContext._table keeps
+        its tables: not while traced)."""
+        if HV in self._grid_flags:
+            return self._grid_flags[HV]
+        bits = [HALF_GRID if half_grid(c, HV) else FULL_GRID for c in self.doc_chunks]
+        flags = self.doc_flags | torch.tensor(bits, dtype=torch.uint8, device=self.doc_flags.device)
+        if not torch.compiler.is_compiling():
+            self._grid_flags[HV] = flags
+        return flags
 
     def take(self, *xs: torch.Tensor) -> list[torch.Tensor]:
         """The sub-batch's rows of each of ``xs`` [local rows, ...]: a view where they are

@@ -169,8 +169,9 @@ def test_kcp_without_crossing_documents():
 
 
 def _traced_and_checkpointed(rank, world):
-    """torch.compile(fullgraph=True) of a KCP GDN + short conv forward, and the same under
-    a non-reentrant checkpoint: outputs and gradients bitwise the eager ones."""
+    """torch.compile(fullgraph=True) of a KCP GDN + short conv forward, the same under a
+    non-reentrant checkpoint, and both together: outputs and gradients bitwise the eager
+    ones."""
     lengths, H, HV, D = [90, 7, 60], 1, 2, 2 * K
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=3)
     ctx = build_context_kcp(inp["cu_seqlens"], layout="Z", align=1)
@@ -196,12 +197,21 @@ def _traced_and_checkpointed(rank, world):
     def ring(*x):
         return layer(*x, exchange="ring")
 
+    def checkpointed_layer(*x):
+        return torch.utils.checkpoint.checkpoint(layer, *x, use_reentrant=False)
+
+    # Compiled and checkpointed first, on the fresh context: a table the context made and
+    # kept at its first use inside the traced checkpoint region was a side effect Dynamo
+    # refused.
+    torch._dynamo.reset()
+    compiled_checkpointed = step(torch.compile(checkpointed_layer, fullgraph=True, backend="aot_eager"))
     eager = step(layer)
     torch._dynamo.reset()
     compiled = step(torch.compile(layer, fullgraph=True, backend="aot_eager"))
     compiled_ring = step(torch.compile(ring, fullgraph=True, backend="aot_eager"))
-    checkpointed = step(lambda *x: torch.utils.checkpoint.checkpoint(layer, *x, use_reentrant=False))
-    for name, got in (("compiled", compiled), ("compiled ring", compiled_ring), ("checkpointed", checkpointed)):
+    checkpointed = step(checkpointed_layer)
+    for name, got in (("compiled", compiled), ("compiled ring", compiled_ring), ("checkpointed", checkpointed),
+                      ("compiled and checkpointed", compiled_checkpointed)):
         for i, (a, b) in enumerate(zip(got, eager)):
             assert torch.equal(a, b), f"{name} output {i} differs from eager (rank {rank})"
 
