@@ -104,6 +104,13 @@ def check_gdn(q, k, v, g, beta, cu_seqlens, initial_state, v_name: str = "v"):
     return T, H, K, HV, V, N
 
 
+def default_scale(K):
+    """K ** -0.5, the output scale's default: finite for any head dim, so not checked (under
+    ``torch.compile(dynamic=True)`` K, and so the scale, is symbolic, which
+    ``math.isfinite`` cannot take)."""
+    return K ** -0.5
+
+
 def check_scale(scale) -> None:
     """The output scale: a finite real number (the default K**-0.5 is set by the caller)."""
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):

@@ -50,7 +50,7 @@ import dataclasses
 import torch
 
 from .. import graphs
-from ..checks import check_gdn
+from ..checks import check_gdn, default_scale
 from ..ops.gdn import SAVE_MODES, gdn_tapes_bytes, gdn_workspace_bytes
 from . import collectives
 from .context import KcpContext
@@ -564,7 +564,7 @@ def gdn_kcp(
                          f"shape {tuple(initial_state.shape)}")
     check_gdn(q, k, v, g, beta, ctx.cu_seqlens, None)
     if scale is None:
-        scale = q.shape[-1] ** -0.5
+        scale = default_scale(q.shape[-1])
     opts = _Opts((float(scale), use_qk_l2norm, deterministic), save_mode == "full", output_final_state,
                  exchange == "ring", save_transfer, initial_state is not None, _segment_chunks(ctx, segments),
                  deterministic and ctx.has_relays)

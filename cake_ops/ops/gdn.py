@@ -29,7 +29,7 @@ import torch
 
 from .. import checkpointing, dispatch, graphs
 from . import cuda_kernel
-from ..checks import (check_cu_seqlens_values, check_doc_flags, check_gdn, check_gdn_grads, check_scale,
+from ..checks import (check_cu_seqlens_values, check_doc_flags, check_gdn, check_gdn_grads, check_scale, default_scale,
                       check_segment_chunks, check_state_chain)
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
@@ -782,8 +782,9 @@ def gdn(
         raise ValueError("reuse_recompute_tapes=False contradicts save_mode='full' (which keeps the tapes of every "
                          "forward that launches, a checkpoint recompute's too): pass 'auto', True, or leave it unset")
     if scale is None:
-        scale = q.shape[-1] ** -0.5
-    check_scale(scale)
+        scale = default_scale(q.shape[-1])
+    else:
+        check_scale(scale)
     args = (q, packed["k"], packed["v"], packed["g"], packed["beta"], cu_seqlens, initial_state, float(scale),
             use_qk_l2norm, deterministic, graph == "replay")
     # A forward that autograd will not save for (no_grad, as reentrant checkpointing's first pass)

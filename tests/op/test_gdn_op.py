@@ -252,6 +252,36 @@ def test_compile_fullgraph_ops_directly():
         assert torch.equal(compiled, plain)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dynamic", [True, None], ids=["dynamic", "automatic"])
+def test_compile_across_pack_shapes(device, dynamic):
+    """A compiled step (plain and under a non-reentrant checkpoint) over packs of other
+    lengths and document counts: with dynamic=True every size is symbolic (the default
+    scale K ** -0.5 too, which the scale check must not take), with the default the second
+    pack recompiles with T and N dynamic. Gradients bitwise the eager step's."""
+    K = 128 if device == "cuda" else 32  # the CUDA kernels' head dim (the CPU runs any)
+
+    def step(q, k, v, g, beta, cu):
+        o, ht = cake_ops.gdn(q, k, v, g, beta, cu, use_qk_l2norm=True, output_final_state=True)
+        return o.float().square().sum() + ht.sum()
+
+    def checkpointed(*x):
+        return torch.utils.checkpoint.checkpoint(step, *x, use_reentrant=False)
+
+    torch._dynamo.reset()
+    compiled = [torch.compile(f, fullgraph=True, dynamic=dynamic, backend="aot_eager") for f in (step, checkpointed)]
+    for seed, lengths in enumerate(([100, 37], [64, 1, 200], [300])):
+        inp = make_gdn_inputs(lengths, 2, 4, K, K, device=device, seed=seed)
+        names = ("q", "k", "v", "g", "beta")
+        eager_leaves = [inp[n].detach().clone().requires_grad_(True) for n in names]
+        step(*eager_leaves, inp["cu_seqlens"]).backward()
+        for f in compiled:
+            leaves = [inp[n].detach().clone().requires_grad_(True) for n in names]
+            f(*leaves, inp["cu_seqlens"]).backward()
+            for name, got, want in zip(names, leaves, eager_leaves):
+                assert torch.equal(got.grad, want.grad), f"d{name} differs from eager at {lengths}"
+
+
 def test_use_deterministic_algorithms_overrides_and_warns_once(monkeypatch):
     monkeypatch.setattr(gdn_ops, "_warned_nondeterministic", False)
     i = _gdn_args("cpu")
