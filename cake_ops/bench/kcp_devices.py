@@ -17,6 +17,13 @@ and its peak memory. Then rank 0 alone times the single-device ``cake_ops.gdn`` 
 whole global batch, the others waiting. The table gives each cell's slowest rank and
 its ratio to the single device (issue 21's targets: at most 0.6 at CP 2, 0.2 at CP 8),
 and the bytes each rank puts into each collective.
+
+With ``fla`` among ``--arms`` (the default) and CUDA devices, every rank also times FLA's
+own context parallel (``fla.ops.cp`` of fla-core 0.6.0, its Triton path) on the same
+global batch, in the layout of FLA's that matches ``--layout`` (C: ``contiguous``, Z:
+``zigzag``; FLA cuts equal token parts, so T must be a multiple of the parts; D has no FLA
+counterpart), first checking its output against the single-device ``cake_ops.gdn``; the
+table gives its slowest rank beside cake's. Where it cannot run, the row says why.
 """
 
 from __future__ import annotations
@@ -75,6 +82,76 @@ def _single_steps(inp, ops) -> dict:
     return _op_steps(lambda *xs: cake_ops.gdn(*xs, inp.cu_seqlens, use_qk_l2norm=True)[0], leaves, inp.do, ops)
 
 
+# FLA 0.6.0's CP layouts that cut the global batch as ours do (equal token parts).
+FLA_LAYOUTS = {"C": "contiguous", "Z": "zigzag"}
+
+
+def fla_cp_rows(T: int, world: int, rank: int, layout: str) -> torch.Tensor | None:
+    """The global token rows rank ``rank`` holds under FLA's own context parallel
+    (``fla.ops.cp.build_cp_context``): ``contiguous``, W equal parts, part r; ``zigzag``,
+    2W equal parts, parts r and 2W - 1 - r in that order. None where FLA has no such layout
+    (D) or cannot cut T (not a multiple of the parts)."""
+    if layout not in FLA_LAYOUTS:
+        return None
+    parts = world if layout == "C" else 2 * world
+    if T % parts:
+        return None
+    n = T // parts
+    pieces = (rank,) if layout == "C" else (rank, 2 * world - 1 - rank)
+    return torch.cat([torch.arange(p * n, (p + 1) * n) for p in pieces])
+
+
+def _fla_cp(inp, args, device, world: int, rank: int):
+    """FLA's own CP on ``inp`` (the global inputs): ((call, leaves, do), None) for this
+    rank's step, or (None, why it does not run), the same on every rank."""
+    if "fla" not in args.arms:
+        return None, "not among --arms"
+    if device.type != "cuda":
+        return None, "FLA's kernels need CUDA"
+    T = inp.q.shape[0]
+    rows = fla_cp_rows(T, world, rank, args.layout)
+    if rows is None:
+        why = (f"FLA has no layout {args.layout}" if args.layout not in FLA_LAYOUTS else
+               f"FLA cuts equal parts: T = {T} is not a multiple of {world if args.layout == 'C' else 2 * world}")
+        return None, why
+    os.environ["FLA_FLASH_QLA"] = "0"  # FLA's own Triton path, as the fla arm (cake_ops.bench.arms)
+    try:
+        from fla.ops.cp import build_cp_context
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError as e:
+        return None, f"fla.ops.cp not importable ({e})"
+    cp = build_cp_context(inp.cu_seqlens.long(), group=dist.group.WORLD, layout=FLA_LAYOUTS[args.layout])
+    rows = rows.to(device)
+    leaves = [getattr(inp, n).index_select(0, rows).unsqueeze(0).detach().requires_grad_(True) for n in NAMES]
+
+    def call(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, cp_context=cp, use_qk_l2norm_in_kernel=True)[0]
+
+    return (call, leaves, inp.do.index_select(0, rows).unsqueeze(0)), None
+
+
+def _fla_output_check(fla, inp, world: int, layout: str, device) -> float | None:
+    """rel-RMS of FLA's CP output (every rank's rows gathered in global order) against the
+    single-device ``cake_ops.gdn`` of the whole batch (rank 0's value; None elsewhere)."""
+    import cake_ops
+    from cake_ops.testing import accuracy
+
+    call, leaves, _ = fla
+    with torch.no_grad():
+        mine = call(*leaves)[0].contiguous()
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine)
+    if dist.get_rank() != 0:
+        return None
+    T = inp.q.shape[0]
+    o = torch.empty(T, *mine.shape[1:], dtype=mine.dtype, device=device)
+    for r, x in enumerate(every):
+        o[fla_cp_rows(T, world, r, layout).to(device)] = x
+    with torch.no_grad():
+        want, _ = cake_ops.gdn(inp.q, inp.k, inp.v, inp.g, inp.beta, inp.cu_seqlens, use_qk_l2norm=True)
+    return accuracy(o, want).rel_rms
+
+
 def _time(step, timer: Timer, args) -> dict:
     """stream_ms, kernel_ms and compute_ms (medians over ``args.calls``) and peak bytes of
     ``step`` on this rank; every rank calls it at the same point (the step's collectives)."""
@@ -93,6 +170,10 @@ def _time(step, timer: Timer, args) -> dict:
 
 
 TIMINGS = ("stream_ms", "kernel_ms", "compute_ms", "peak_mem_bytes")
+
+
+def _slowest(every: list[dict]) -> dict:
+    return {t: max(r[t] for r in every) for t in ("stream_ms", "kernel_ms", "compute_ms")}
 
 
 def _gather_timings(mine: dict, world: int, device) -> list[dict]:
@@ -153,19 +234,28 @@ def _rank_main(args, out_path: str | None) -> dict | None:
             inp = make_inputs(shape, device, args.gate, args.seed)  # the same on every rank
             ctx = ctx_of(inp)
             comm = kcp_comm_bytes(ctx, inp.v.shape[1], inp.q.shape[-1], inp.v.shape[-1])
+            fla, fla_skipped = _fla_cp(inp, args, device, world, rank)
+            fla_rel_rms = _fla_output_check(fla, inp, world, args.layout, device) if fla is not None else None
+            fla_steps = _op_steps(*fla, args.ops) if fla is not None else {}
             for op, step in _steps(inp, ctx, args.ops).items():
                 every = _gather_timings(_time(step, timer, args), world, device)
+                fla_every = _gather_timings(_time(fla_steps[op], timer, args), world, device) if fla else None
                 single = _time(_single_steps(inp, [op])[op], timer, args) if rank == 0 else None
                 dist.barrier()
                 if rank == 0:
-                    slowest = {t: max(r[t] for r in every) for t in ("stream_ms", "kernel_ms", "compute_ms")}
-                    report["results"].append({
-                        "shape": name, "op": op, "single": single, "ranks": every, "slowest": slowest,
-                        "slowest_over_single": {t: slowest[t] / single[t] if single[t] else math.nan
-                                                for t in ("stream_ms", "kernel_ms")},
-                        "comm_bytes_per_rank": comm})
+                    slowest = _slowest(every)
+                    row = {"shape": name, "op": op, "single": single, "ranks": every, "slowest": slowest,
+                           "slowest_over_single": {t: slowest[t] / single[t] if single[t] else math.nan
+                                                   for t in ("stream_ms", "kernel_ms")},
+                           "comm_bytes_per_rank": comm, "fla": None, "fla_skipped": fla_skipped}
+                    if fla_every is not None:
+                        fla_slowest = _slowest(fla_every)
+                        row["fla"] = {"ranks": fla_every, "slowest": fla_slowest, "o_rel_rms_vs_cake": fla_rel_rms,
+                                      "cake_over_fla": {t: slowest[t] / fla_slowest[t] if fla_slowest[t] else math.nan
+                                                        for t in ("stream_ms", "kernel_ms")}}
+                    report["results"].append(row)
                     print(f"timed {name} {op}", flush=True)
-            del inp, ctx
+            del inp, ctx, fla, fla_steps
     if rank == 0 and out_path is not None:
         with open(out_path, "w") as f:
             json.dump(report, f)
@@ -218,14 +308,30 @@ def format_kcp_devices_table(report: dict) -> str:
     lines = [f"KCP CP{meta['cp']} layout {meta['layout']}, one process a device ({meta['backend']}; "
              f"{meta['timing']} timing): slowest rank against the single device of the whole batch",
              f"{'shape':16s} {'op':7s} {'single_ms':>10s} {'slowest_ms':>11s} {'x single':>9s} "
-             f"{'kernel':>8s} {'compute':>8s} {'peak_MiB':>9s}  bytes per rank per collective"]
+             f"{'kernel':>8s} {'compute':>8s} {'peak_MiB':>9s} {'fla_ms':>8s} {'x fla':>8s} {'fla_MiB':>9s}"
+             f"  bytes per rank per collective"]
+    fla_notes = []
     for r in report["results"]:
         comm = ", ".join(f"{k}: {v / 2**20:.2f} MiB" for k, v in r["comm_bytes_per_rank"].items()) or "none"
-        peaks = [x["peak_mem_bytes"] for x in r["ranks"] if x["peak_mem_bytes"] is not None]
-        peak = f"{max(peaks) / 2**20:9.1f}" if peaks else f"{'-':>9s}"
+        peak = _peak_mib(r["ranks"])
+        fla = r.get("fla")
+        fla_cells = (f"{fla['slowest']['stream_ms']:8.3f} {fla['cake_over_fla']['stream_ms']:8.2f} {_peak_mib(fla['ranks'])}"
+                     if fla else f"{'-':>8s} {'-':>8s} {'-':>9s}")
         lines.append(f"{r['shape']:16s} {r['op']:7s} {r['single']['stream_ms']:10.3f} {r['slowest']['stream_ms']:11.3f} "
                      f"{r['slowest_over_single']['stream_ms']:9.2f} {r['slowest']['kernel_ms']:8.3f} "
-                     f"{r['slowest']['compute_ms']:8.3f} {peak}  {comm}")
+                     f"{r['slowest']['compute_ms']:8.3f} {peak} {fla_cells}  {comm}")
+        if fla:
+            note = f"{r['shape']}: FLA's CP output against the single-device cake op, rel-RMS {fla['o_rel_rms_vs_cake']:.2e}"
+        else:
+            note = f"{r['shape']}: FLA's CP not timed: {r.get('fla_skipped')}"
+        if note not in fla_notes:
+            fla_notes.append(note)
     lines.append("single_ms, slowest_ms: stream_ms (CUDA events, calls back to back); kernel: the slowest rank's "
-                 "kernel_ms (NCCL's kernels included), compute: without them; peak_MiB: the largest rank's")
-    return "\n".join(lines)
+                 "kernel_ms (NCCL's kernels included), compute: without them; peak_MiB: the largest rank's; "
+                 "fla_ms: FLA's own CP (fla.ops.cp), its slowest rank's stream_ms, x fla = slowest_ms / fla_ms")
+    return "\n".join(lines + fla_notes)
+
+
+def _peak_mib(ranks: list[dict]) -> str:
+    peaks = [x["peak_mem_bytes"] for x in ranks if x["peak_mem_bytes"] is not None]
+    return f"{max(peaks) / 2**20:9.1f}" if peaks else f"{'-':>9s}"

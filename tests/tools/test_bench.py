@@ -371,4 +371,24 @@ def test_cp_devices_on_cpu(tmp_path):
                                                                         / row["single"]["stream_ms"])
         # Layout D: each document over both ranks three times (a relay), chained by hops.
         assert row["comm_bytes_per_rank"]["gdn chain states, forward shifts"] > 0
+        assert row["fla"] is None and row["fla_skipped"] == "FLA's kernels need CUDA"  # and FLA has no D
     assert report["results"][0]["shape"] == "q_packed"
+
+
+@pytest.mark.parametrize("layout", ["C", "Z"])
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_fla_cp_rows_are_flas_equal_parts(layout, world):
+    """The rows each rank gives FLA's own CP (``--cp`` devices mode, the fla arm): every
+    token once over the ranks; contiguous, rank r's W-th part; zigzag, parts r and
+    2W - 1 - r of 2W, in that order. None where FLA cannot cut T or has no layout."""
+    from cake_ops.bench.kcp_devices import fla_cp_rows
+
+    T = 2 * world * 5
+    every = [fla_cp_rows(T, world, r, layout) for r in range(world)]
+    assert torch.equal(torch.cat(every).sort().values, torch.arange(T))
+    n = T // (world if layout == "C" else 2 * world)
+    for r, rows in enumerate(every):
+        firsts = [r] if layout == "C" else [r, 2 * world - 1 - r]
+        assert torch.equal(rows, torch.cat([torch.arange(p * n, (p + 1) * n) for p in firsts]))
+    assert fla_cp_rows(T + 1, world, 0, layout) is None
+    assert fla_cp_rows(T, world, 0, "D") is None
