@@ -111,6 +111,18 @@ def _fragments(cu: Sequence[int], ranges: list[tuple[int, int]]) -> tuple[Fragme
     return tuple(out) if out else (Fragment(-1, 0, 0),)
 
 
+def _kept(cache: dict, key, make):
+    """``cache[key]``, made by ``make()`` at its first use and kept there, except while
+    torch.compile traces: the trace makes it in the graph and keeps nothing (a write to a
+    context inside a compiled checkpoint region is a side effect Dynamo refuses)."""
+    if key in cache:
+        return cache[key]
+    value = make()
+    if not torch.compiler.is_compiling():
+        cache[key] = value
+    return value
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class KcpContext:
     """The plan all ranks agree on (``build_context_kcp``). ``fragments[r]``: rank r's
@@ -222,20 +234,9 @@ class KcpContext:
                 count[frags[-1][0]] += 1
         return max(count)
 
-    def _table(self, key: tuple, make):
-        """The table ``key``, made by ``make()`` at its first use and kept, except while
-        torch.compile traces: the trace makes it in the graph, and keeps nothing (a write
-        to the context inside a compiled checkpoint region is a side effect Dynamo refuses)."""
-        if key in self._tables:
-            return self._tables[key]
-        table = make()
-        if not torch.compiler.is_compiling():
-            self._tables[key] = table
-        return table
-
     def chain_tables(self, device: torch.device) -> ChainTables:
         """The chain's index tensors on ``device`` (made at the first call per device)."""
-        return self._table(("chain", device), lambda: _chain_tables(self, device))
+        return _kept(self._tables, ("chain", device), lambda: _chain_tables(self, device))
 
     def relay_segments(self, device: torch.device, HV: int, segment_chunks: int) -> SubBatch:
         """This rank's relays' rows cut into the grid segments of their walks, each segment
@@ -243,16 +244,16 @@ class KcpContext:
         flagged to open and close inside its document and, on the plan's grid
         (``segment_chunks`` = -1), of the relay's document's grid class: the summaries of
         those segments are the ones a call on the relay chains (docs/kcp.md, "Relays")."""
-        return self._table(("relay_segments", device, HV, segment_chunks),
+        return _kept(self._tables, ("relay_segments", device, HV, segment_chunks),
                            lambda: _relay_segments(self, device, HV, segment_chunks))
 
     def ring_tables(self, device: torch.device) -> tuple[RingStep, ...]:
         """The ring exchange's steps on ``device`` (made at the first call per device)."""
-        return self._table(("ring", device), lambda: _ring_steps(self, device))
+        return _kept(self._tables, ("ring", device), lambda: _ring_steps(self, device))
 
     def halo_tables(self, device: torch.device) -> HaloTables:
         """The short convolution's halo index tensors on ``device`` (``conv_width``)."""
-        return self._table(("halo", device), lambda: _halo_tables(self, device))
+        return _kept(self._tables, ("halo", device), lambda: _halo_tables(self, device))
 
     @functools.cached_property
     def local_rows(self) -> torch.Tensor:
@@ -265,7 +266,7 @@ class KcpContext:
         if x.shape[0] != self.cu_seqlens_global[-1]:
             raise ValueError(f"x must have the global token count {self.cu_seqlens_global[-1]} rows, got {x.shape[0]}")
         # One copy to the device per context, not per call.
-        return x.index_select(0, self._table(("rows", x.device), lambda: self.local_rows.to(x.device)))
+        return x.index_select(0, _kept(self._tables, ("rows", x.device), lambda: self.local_rows.to(x.device)))
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """The global packed tensor [T, ...] from every rank's local rows ``x`` (a
@@ -285,7 +286,7 @@ class KcpContext:
                     base += f.tokens
             return rows.to(x.device)
 
-        return every.index_select(0, self._table(("gather", x.device), order))
+        return every.index_select(0, _kept(self._tables, ("gather", x.device), order))
 
 
 def kcp_comm_bytes(ctx: KcpContext, HV: int, K: int = 128, V: int = 128, *, output_final_state: bool = False,
@@ -391,15 +392,13 @@ class SubBatch:
     def grid_flags(self, HV: int) -> torch.Tensor:
         """``doc_flags`` with each fragment's grid class (``HALF_GRID`` or ``FULL_GRID``)
         at ``HV`` value heads: a fragment is cut at its whole document's grid, not at the
-        one its own length would choose (made once per HV, kept as KcpContext._table keeps
-        its tables: not while traced)."""
-        if HV in self._grid_flags:
-            return self._grid_flags[HV]
-        bits = [HALF_GRID if half_grid(c, HV) else FULL_GRID for c in self.doc_chunks]
-        flags = self.doc_flags | torch.tensor(bits, dtype=torch.uint8, device=self.doc_flags.device)
-        if not torch.compiler.is_compiling():
-            self._grid_flags[HV] = flags
-        return flags
+        one its own length would choose (made once per HV)."""
+
+        def make():
+            bits = [HALF_GRID if half_grid(c, HV) else FULL_GRID for c in self.doc_chunks]
+            return self.doc_flags | torch.tensor(bits, dtype=torch.uint8, device=self.doc_flags.device)
+
+        return _kept(self._grid_flags, HV, make)
 
     def take(self, *xs: torch.Tensor) -> list[torch.Tensor]:
         """The sub-batch's rows of each of ``xs`` [local rows, ...]: a view where they are
