@@ -142,13 +142,14 @@ constexpr int kHeadVecFloats = kVGamma + 8;
 constexpr int kVRq = 2 * kHeadVecFloats;
 constexpr int kVRk = kVRq + C;
 constexpr int kVecFloats = kVRk + C;
-constexpr int kBar = kVec + kVecFloats * 4;  // the loads' mbarrier (8 bytes)
-constexpr int kSmemBytes = kBar + 8;
+constexpr int kBar = kVec + kVecFloats * 4;  // the value heads' loads' mbarrier (8 bytes)
+constexpr int kBarQK = kBar + 8;             // q's and k's
+constexpr int kSmemBytes = kBarQK + 8;
 static_assert(kSmemBytes <= 227 * 1024, "shared memory of one CTA an SM");
 static_assert(kK % 1024 == 0 && kDo % 1024 == 0 && kVn % 1024 == 0 && kV % 1024 == 0 && kDvn % 1024 == 0 &&
                   kHT % 1024 == 0 && kDS % 1024 == 0 && kADw % 1024 == 0 && kATile % 1024 == 0,
               "SW128 tiles start 1024-byte aligned");
-static_assert(kDA % 16 == 0 && kVec % 16 == 0 && kBar % 8 == 0, "aligned regions");
+static_assert(kDA % 16 == 0 && kVec % 16 == 0 && kBar % 8 == 0 && kBarQK % 8 == 0, "aligned regions");
 
 // Bytes the TMA loads bring: a value head's tiles but A; A; q and k (or their raw rows).
 constexpr uint32_t kHeadBytes = 3 * kRowTile + 2 * D * D * 2;
@@ -514,26 +515,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid == 0 && (sBase & 0x3FFFF) != kSmemWindow) __trap();  // the descriptors' addresses (kSmemWindow)
   float* fA = reinterpret_cast<float*>(smem + kDA);
 
-  // Prologue: q, k and the first value head's tiles and gates in flight.
+  // Prologue: q, k and the first value head's tiles and gates in flight, q and k on a
+  // barrier of their own so that the norm runs under the head's loads.
   const int hv_first = h * G;
-  // One mbarrier, one phase a value head (parity j & 1): thread 0 announces the phase's
-  // bytes with its first load; after the last head, phase G brings the raw q, k rows.
-  const uint32_t bar = sBase + kBar;
+  // The value heads' mbarrier: one phase a head (parity j & 1), thread 0 announcing the
+  // phase's bytes; after the last head, phase G brings the raw q, k rows.
+  const uint32_t bar = sBase + kBar, bar_qk = sBase + kBarQK;
   // TMA coordinates (int32: T and the tape's tiles are below 2^31): the chunk's first token
   // t0, a value head's tile of the tapes.
   const auto tape_of = [&](int64_t hv) { return static_cast<int>(slot * p.HV + hv); };
   if (tid == 0) {
     tma::mbar_init(bar, 1);
+    tma::mbar_init(bar_qk, 1);
     tma::fence_mbar_init();
   }
   __syncthreads();  // initialised before any thread waits on it (the word holds an earlier CTA's state)
+  // The 15 boxes spread over five warps as in the head loop (head_box_first; q, k by warp 5's
+  // lane 0, A by warp 4's): one thread issuing them all held its warp, and the CTA with it.
   if (tid == 0) {
-    tma::mbar_arrive_expect_tx(bar, kQKBytes + kHeadBytes + kABytes);
-    tma_tile(sQ, &maps.q, h, t0, bar);
-    tma_tile(sK, &maps.k, h, t0, bar);
-    for (int b = 0; b < kHeadBoxes; ++b)
+    tma::mbar_arrive_expect_tx(bar_qk, kQKBytes);
+    tma::mbar_arrive_expect_tx(bar, kHeadBytes + kABytes);
+  }
+  if (lane == 0) {
+    if (warp == 5) {
+      tma_tile(sQ, &maps.q, h, t0, bar_qk);
+      tma_tile(sK, &maps.k, h, t0, bar_qk);
+    } else if (warp == 4) {
+      tma::load_box_3d(sBase + a_at(0), &maps.a, 0, 0, tape_of(hv_first), bar);
+    }
+    for (int b = head_box_first(warp); b < head_box_last(warp); ++b)
       load_head_box(maps, sBase, bar, tape_of(hv_first), static_cast<int>(hv_first), t0, b);
-    tma::load_box_3d(sBase + a_at(0), &maps.a, 0, 0, tape_of(hv_first), bar);
   }
   TokenGates gates{};
   if (tid < C) gates = load_gates(p, slot, hv_first, t0, len, tid);
@@ -546,6 +557,50 @@ __global__ void __launch_bounds__(kThreads, 1)
   float sdps[4][4], sdkk[4][4];
   zero(sdps);
   zero(sdkk);
+
+  // q and k, under the first head's loads: rows past a ragged chunk's end zeroed (they came
+  // from the next document); with the L2 norm, normalised in place (bf16) with 1 / |x| kept
+  // per row. Each thread takes a quarter row and zeroes its own, so no barrier separates
+  // the two; the head's first barrier orders them before the products.
+  tma::mbar_wait(bar_qk, 0);
+  if (p.use_qk_l2norm) {
+    const int r = tid >> 2, part = tid & 3;
+#pragma unroll
+    for (int t = 0; t < 2; ++t) {
+      unsigned char* tile = smem + (t ? kK : kQ);
+      uint4 w[4];
+      float ss = 0.f;
+#pragma unroll
+      for (int c4 = 0; c4 < 4; ++c4) {
+        w[c4] = r < len ? *reinterpret_cast<const uint4*>(tile + sw128_offset(C, r, 4 * part + c4)) : make_uint4(0u, 0u, 0u, 0u);
+        const uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = mma::unpack_bf16(u[e]);
+          ss = fmaf(f.x, f.x, ss);
+          ss = fmaf(f.y, f.y, ss);
+        }
+      }
+      ss += __shfl_xor_sync(0xffffffffu, ss, 1);
+      ss += __shfl_xor_sync(0xffffffffu, ss, 2);
+      const float rs = rsqrtf(ss + kL2NormEps);
+#pragma unroll
+      for (int c4 = 0; c4 < 4; ++c4) {
+        uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = mma::unpack_bf16(u[e]);
+          u[e] = mma::pack_bf16(f.x * rs, f.y * rs);
+        }
+        *reinterpret_cast<uint4*>(tile + sw128_offset(C, r, 4 * part + c4)) = make_uint4(u[0], u[1], u[2], u[3]);
+      }
+      if (part == 0) vec[(t ? kVRk : kVRq) + r] = rs;
+    }
+  } else if (len < C) {
+    zero_rows(smem + kQ, len);
+    zero_rows(smem + kK, len);
+  }
+  wgmma::fence_proxy_async();  // before the wgmma reads (the head's first barrier below)
 
   for (int j = 0; j < G; ++j) {
     const int hv = hv_first + j;
@@ -569,54 +624,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (i == 0) hvec[kVGamma] = expf(gates.gl);
     }
     tma::mbar_wait(bar, j & 1);
-    if (len < C) {  // rows past the document's end (q, k once)
-      if (j == 0) {
-        zero_rows(smem + kQ, len);
-        zero_rows(smem + kK, len);
-      }
+    if (len < C) {  // rows past the document's end
       zero_rows(smem + kDo, len);
       zero_rows(smem + kV, len);
       zero_rows(smem + kDvn, len);
     }
     wgmma::fence_proxy_async();  // the zeros precede the wgmma reads and later TMA writes
     __syncthreads();
-
-    if (j == 0 && p.use_qk_l2norm) {  // normalise q, k in place (bf16), keep 1 / |x| per row
-      const int r = tid >> 2, part = tid & 3;
-#pragma unroll
-      for (int t = 0; t < 2; ++t) {
-        unsigned char* tile = smem + (t ? kK : kQ);
-        uint4 w[4];
-        float ss = 0.f;
-#pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          w[c4] = *reinterpret_cast<const uint4*>(tile + sw128_offset(C, r, 4 * part + c4));
-          const uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = mma::unpack_bf16(u[e]);
-            ss = fmaf(f.x, f.x, ss);
-            ss = fmaf(f.y, f.y, ss);
-          }
-        }
-        ss += __shfl_xor_sync(0xffffffffu, ss, 1);
-        ss += __shfl_xor_sync(0xffffffffu, ss, 2);
-        const float rs = rsqrtf(ss + kL2NormEps);
-#pragma unroll
-        for (int c4 = 0; c4 < 4; ++c4) {
-          uint32_t u[4] = {w[c4].x, w[c4].y, w[c4].z, w[c4].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const float2 f = mma::unpack_bf16(u[e]);
-            u[e] = mma::pack_bf16(f.x * rs, f.y * rs);
-          }
-          *reinterpret_cast<uint4*>(tile + sw128_offset(C, r, 4 * part + c4)) = make_uint4(u[0], u[1], u[2], u[3]);
-        }
-        if (part == 0) vec[(t ? kVRk : kVRq) + r] = rs;
-      }
-      wgmma::fence_proxy_async();
-      __syncthreads();
-    }
 
     // ---- Phase 1a: v_new, then the products over V (and K) of the staged tiles, each issued
     // under the previous one's elementwise work (two in flight at most: their accumulators
@@ -967,12 +981,9 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   // dq, dk through the L2 norm's backward: d_raw = (d - x (d . x)) r, x = raw r (fp32).
   if (p.use_qk_l2norm) {
+    // Rows past a ragged chunk's end hold the next document's rows: each row's sums are its
+    // own and those rows are never stored, so they are not zeroed here.
     tma::mbar_wait(bar, G & 1);
-    if (len < C) {
-      zero_rows(smem + kDo, len);
-      zero_rows(smem + kVn, len);
-    }
-    __syncthreads();
 #pragma unroll
     for (int t = 0; t < 2; ++t) {
       float(&d)[8][4] = t ? dk : dq;
