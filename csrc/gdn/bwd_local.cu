@@ -55,8 +55,9 @@
 //   lands under the second half of phase 2 while that still reads the current A (on the
 //   last head: the raw q, k rows for the norm's backward).
 // - Loads by TMA (common/tma_sm90.cuh), 11 boxes a value head on one mbarrier whose phase
-//   flips per head, issued by five warps (head_box_first), rows past a ragged chunk's end zeroed after the
-//   wait: issued as per-thread cp.async they cost 7 % of the kernel's issue samples (their
+//   flips per head (q and k on one of their own, so that their norm runs under the first
+//   head's loads), issued by six warps (head_box_first), rows past a ragged chunk's end zeroed
+//   after the wait: issued as per-thread cp.async they cost 7 % of the kernel's issue samples (their
 //   address arithmetic, and stalls on the load queue; ncu, docs/experiments.md).
 // - Exponents are differences of chunk-local cumsums, selected to 0 above the diagonal
 //   (no inf, no NaN); row sums go through fixed shuffle trees and per-warp slots summed in
