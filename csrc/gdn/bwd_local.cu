@@ -394,8 +394,11 @@ __device__ __forceinline__ void load_head_box(const BwdLocalMaps& m, uint32_t s,
 // product: ten boxes issued by one thread held its warp, and with it every warp at the next
 // barrier. They go to the warps of rows 32 .. 63 (rb 2, 3), whose share of X's triangle is
 // the smallest. (With the dg work below: the kernel 3 % faster, docs/experiments.md.)
-__device__ __forceinline__ int head_box_first(int w) { return w == 3 ? 0 : w == 7 ? 3 : w == 2 ? 6 : w == 6 ? 8 : 0; }
-__device__ __forceinline__ int head_box_last(int w) { return w == 3 ? 3 : w == 7 ? 6 : w == 2 ? 8 : w == 6 ? 10 : 0; }
+__host__ __device__ constexpr int head_box_first(int w) { return w == 3 ? 0 : w == 7 ? 3 : w == 2 ? 6 : w == 6 ? 8 : 0; }
+__host__ __device__ constexpr int head_box_last(int w) { return w == 3 ? 3 : w == 7 ? 6 : w == 2 ? 8 : w == 6 ? 10 : 0; }
+static_assert(head_box_first(3) == 0 && head_box_last(3) == head_box_first(7) && head_box_last(7) == head_box_first(2) &&
+                  head_box_last(2) == head_box_first(6) && head_box_last(6) == kHeadBoxes,
+              "the four warps issue every box of a value head once");
 
 // A ragged chunk (its document's last): the rows r >= len of a 64 x 128 tile came from the
 // next document (or are zeros past T); they are zeroed, so that no other document's values
