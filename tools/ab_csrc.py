@@ -32,6 +32,11 @@ rounds with the per-round totals: the first tree timed in a call has read 2 % sl
 against its usual time. Compare within one call only (the clock and the neighbours of
 the machine differ between calls).
 
+With --deadline S (seconds from the start of the run), a visit that would end past it, by
+the longest visit of its kind so far (a first visit, with its tests and bits, or a later one),
+is not started, nor any after it; the table and the bits' close still come, from what ran. A
+device call's own time limit kills the tool with nothing printed: set the deadline under it.
+
 With --bits, each tree on its first visit also saves one forward+backward's outputs and
 gradients at the shapes (the checkout's tools/gdn_bits.py, importing the tree's
 cake_ops), and the close says per shape whether each tree's bits are those of the first
@@ -48,6 +53,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -136,7 +142,8 @@ def export(revs: list[str]) -> None:
     print(f"exported to {AB}: " + ", ".join(names) + '  (carry ".ab" to the device)')
 
 
-def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = "fwd", bits: bool = False) -> int:
+def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = "fwd", bits: bool = False,
+        deadline: float | None = None) -> int:
     order = [line.split() for line in (AB / "order").read_text().splitlines() if line.strip()]
     if trees:
         wanted = trees.split(",")
@@ -164,12 +171,20 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
     failed: list[str] = []
     visits = [entry for r in range(rounds) for entry in (order if r % 2 == 0 else order[::-1])]
     seen: set[str] = set()
+    start = time.monotonic()
+    took: dict[bool, float] = {}  # the longest visit so far, by whether it was a tree's first
     try:
-        for name, sha in visits:
+        for index, (name, sha) in enumerate(visits):
             if any(f.startswith(name + ":") for f in failed):
                 continue
             first = name not in seen
+            expect = took.get(first, max(took.values(), default=0.0))  # unknown kind: the longest known
+            if deadline is not None and time.monotonic() - start + expect > deadline:
+                say(f"deadline: {deadline:.0f} s; visits {index + 1} .. {len(visits)} not started "
+                    f"(this one would take about {expect:.0f} s more, at {time.monotonic() - start:.0f} s)")
+                break
             seen.add(name)
+            visit_start = time.monotonic()
             for part in SWAPPED:  # (a tree exported without one of them keeps the checkout's)
                 source = AB / name / part if (AB / name / part).exists() else saved / part
                 shutil.rmtree(ROOT / part)
@@ -232,6 +247,7 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
                 say(f"tests {' '.join(found)}: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
                 if pytest.returncode != 0:
                     failed.append(f"{name}: tests")
+            took[first] = max(took.get(first, 0.0), time.monotonic() - visit_start)
     finally:
         for part in SWAPPED:
             shutil.rmtree(ROOT / part, ignore_errors=True)
@@ -267,6 +283,8 @@ def main() -> int:
     rn.add_argument("--op", choices=("fwd", "fwdbwd"), default="fwd",
                     help="fwd: the forward's kernels (tools/gdn_fwd_gpu_check.py); fwdbwd: one forward+backward "
                     "(the tree's python -m cake_ops.bench), with the backward's tests")
+    rn.add_argument("--deadline", type=float, help="seconds from the start after which no visit is started "
+                    "that would end past it (by the longest visit of its kind so far)")
     rn.add_argument("--bits", action="store_true",
                     help="compare one forward+backward's outputs and gradients bitwise across the trees (tools/gdn_bits.py)")
     args = parser.parse_args()
@@ -275,7 +293,7 @@ def main() -> int:
         return 0
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    return run(args.shapes, args.tests, args.trees, args.rounds, args.op, args.bits)
+    return run(args.shapes, args.tests, args.trees, args.rounds, args.op, args.bits, args.deadline)
 
 
 if __name__ == "__main__":

@@ -269,3 +269,36 @@ def test_run_puts_the_checkout_back_when_a_step_raises(ab, monkeypatch):
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+def test_deadline_starts_no_visit_that_would_end_past_it_and_still_closes(ab, monkeypatch, capsys):
+    """--deadline: with every build and bench taking 10 s of a fake clock, a 50 s deadline runs
+    the first round of two trees (20 s each) and not the second round's visits (each expected
+    to take 20 s more at 40 s); the table gives what ran, and the checkout comes back."""
+    import json
+
+    module, repo = ab
+    module.export(["with_bwd", "folders"])
+    clock = [0.0]
+    calls = []
+
+    def fake_run(cmd, cwd=None, capture_output=False, text=False, timeout=None, **kwargs):
+        clock[0] += 10.0
+        tree = (repo / "cake_ops" / "build.py").read_text()
+        calls.append(tree)
+        if "cake_ops.bench" in cmd:
+            cells = [{"shape": "s32k_h16", "op": "fwdbwd", "arm": "cake", "error": None, "peak_mem_bytes": 2**30,
+                      "kernels": {"cake::gdn_bwd_local_kernel": 1.0}}]
+            Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"results": cells}))
+        return subprocess.CompletedProcess(cmd, 0, stdout="built", stderr="")
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    monkeypatch.setattr(module.time, "monotonic", lambda: clock[0])
+    assert module.run("s32k_h16", tests=False, trees=None, rounds=3, op="fwdbwd", deadline=50) == 0
+    assert calls == ["with_bwd", "with_bwd", "folders", "folders"]
+    out = capsys.readouterr().out
+    assert "deadline: 50 s; visits 3 .. 6 not started" in out
+    table = out.split("===== kernel ms per call")[1]
+    assert "with_bwd" in table and "folders" in table and "rounds" in table
+    assert _state(repo) == {f: "checkout" for f in CHECKOUT}
+
