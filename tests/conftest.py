@@ -11,8 +11,9 @@ from cake_ops.testing import Accuracy
 
 HAS_CUDA = torch.cuda.is_available()
 
-# Worst accuracy seen per tensor name over the whole session, printed at the end.
-_WORST: dict[str, Accuracy] = {}
+# Worst accuracy seen per tensor name over the whole session, with the test that saw it,
+# printed at the end.
+_WORST: dict[str, tuple[Accuracy, str]] = {}
 
 
 def device_assert_output(setup: str, call: str) -> str:
@@ -33,8 +34,10 @@ def device_assert_output(setup: str, call: str) -> str:
 
 def record_accuracy(name: str, acc: Accuracy) -> None:
     old = _WORST.get(name)
-    if old is None or (acc.rel_rms, acc.max_abs_ratio) > (old.rel_rms, old.max_abs_ratio) or not acc.finite:
-        _WORST[name] = acc
+    if old is None or (acc.rel_rms, acc.max_abs_ratio) > (old[0].rel_rms, old[0].max_abs_ratio) or not acc.finite:
+        # pytest's "path::test[params] (call)" of the running test
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        _WORST[name] = (acc, test)
 
 
 # No test may run longer than this (seconds; CAKE_OPS_TEST_TIMEOUT, 0: no limit): a kernel
@@ -78,8 +81,9 @@ def pytest_terminal_summary(terminalreporter):
         return
     terminalreporter.section("worst accuracy against the FP64 reference (contract: rel-RMS <= 1e-2, max-abs <= 2e-2 max|ref|)")
     for name in sorted(_WORST):
-        a = _WORST[name]
-        terminalreporter.write_line(f"{name:28s} rel-RMS {a.rel_rms:.3e}   max-abs/max|ref| {a.max_abs_ratio:.3e}   finite {a.finite}")
+        a, test = _WORST[name]
+        terminalreporter.write_line(f"{name:28s} rel-RMS {a.rel_rms:.3e}   max-abs/max|ref| {a.max_abs_ratio:.3e}   "
+                                    f"finite {a.finite}   {test}")
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
