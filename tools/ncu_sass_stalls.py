@@ -20,7 +20,10 @@ kernel compiled to a cubin with the build's flags, e.g.
         csrc/gdn/bwd_local.cu -o bwd_local.cubin
 
 (nvdisasm --print-line-info reads it; the opcodes are compared instruction by instruction,
-so a cubin of other code is refused.) The source lines are printed from the paths the
+so a cubin of other code is refused. Where the toolkit has no nvdisasm, as on the CPU
+machine, PyPI's nvidia-cuda-nvdisasm wheel holds one: `pip download --no-deps
+nvidia-cuda-nvdisasm`, unzip, pass nvidia/cu13/bin/nvdisasm as --nvdisasm; it also reads a
+locally compiled cubin's SASS without any GPU.) The source lines are printed from the paths the
 cubin names, where they exist here. On the H200 machine ncu reads the counters with
 --clock-control none (Firecracker; see the device notes).
 """
