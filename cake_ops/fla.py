@@ -1,18 +1,36 @@
-"""Drop-in for flash-linear-attention's ``chunk_gated_delta_rule`` (same argument names,
-[B, T, H, K] layout, same returns), running on ``cake::gdn_fwd``.
+"""Drop-in for flash-linear-attention's ``chunk_gated_delta_rule`` (FLA 0.6.0's argument
+names and positional order, [B, T, H, K] layout, same returns), running on ``cake::gdn_fwd``.
 
     from cake_ops import chunk_gated_delta_rule   # instead of fla.ops.gated_delta_rule
 
-Differences: ``deterministic`` (default True), ``save_mode`` (default ``"light"``),
-``recompute_output`` (default ``"auto"``), ``reuse_recompute_tapes`` (default None) and
-``graph`` (default ``"off"``; see ``cake_ops.gdn``) are extra keywords; ``cu_seqlens_cpu``
-is accepted and ignored (cake never reads ``cu_seqlens`` on the host); the deprecated
-``head_first=True`` layout is refused.
+FLA's options that act on the inputs and the state run here as PyTorch ops around the op,
+with their autograd, so they trace into a compiled graph as the op does:
+
+- ``use_gate_in_kernel=True`` with ``A_log`` [HV] (and ``dt_bias`` [HV]): ``g`` is the raw
+  gate input, and the log decay is ``-exp(A_log) * softplus(g + dt_bias)`` in fp32, with
+  the gradients of ``g``, ``A_log`` and ``dt_bias``;
+- ``use_beta_sigmoid_in_kernel=True``: ``beta`` holds logits, the op takes
+  ``sigmoid(beta)`` in fp32, twice that with ``allow_neg_eigval=True``;
+- ``state_v_first=True`` (or the deprecated ``transpose_state_layout``): the initial and
+  final states are [N, HV, V, K];
+- ``g`` in bf16 or fp16 (FLA cumsums it in fp32): taken as fp32.
+
+``chunk_size`` (16, 32 or 64) is accepted and does not change the result: the op's
+chunking is its own, and the math is the same for any. ``cu_seqlens_cpu`` and
+``chunk_indices`` are accepted and ignored (cake never reads ``cu_seqlens`` on the host and
+plans its own chunks). FLA's ``cp_context`` is refused (cake's context parallel is
+``cake_ops.kcp``), as is the removed ``head_first`` layout and any keyword FLA does not
+have. Cake's own keywords: ``deterministic`` (default True), ``save_mode`` (default
+``"light"``), ``recompute_output`` (default ``"auto"``), ``reuse_recompute_tapes`` (default
+None) and ``graph`` (default ``"off"``); see ``cake_ops.gdn``.
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
+import torch.nn.functional as F
 
 from .ops.gdn import gdn
 
@@ -27,22 +45,67 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    use_beta_sigmoid_in_kernel: bool = False,
+    allow_neg_eigval: bool = False,
+    state_v_first: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_cpu: torch.Tensor | None = None,
-    head_first: bool = False,
+    chunk_indices: torch.Tensor | None = None,
+    cp_context: object | None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    chunk_size: int = 64,
     deterministic: bool = True,
     save_mode: str = "light",
     recompute_output: str = "auto",
     reuse_recompute_tapes: str | bool | None = None,
     graph: str = "off",
+    **removed,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; with ``cu_seqlens``
-    B must be 1. Returns (o [B, T, HV, V], final_state [N, HV, K, V] fp32 or None)."""
-    if head_first:
-        raise ValueError("head_first=True is not supported: pass q, k, v as [B, T, H, D]")
+    B must be 1. Returns (o [B, T, HV, V], final_state [N, HV, K, V] fp32 ([N, HV, V, K]
+    with ``state_v_first``) or None)."""
+    if "transpose_state_layout" in removed:  # FLA's deprecated name of state_v_first
+        if state_v_first:
+            raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
+        warnings.warn("transpose_state_layout is deprecated: pass state_v_first", DeprecationWarning, stacklevel=2)
+        state_v_first = bool(removed.pop("transpose_state_layout"))
+    if "head_first" in removed:
+        if removed.pop("head_first"):
+            raise ValueError("head_first=True is not supported: pass q, k, v as [B, T, H, D]")
+    if removed:
+        raise TypeError(f"chunk_gated_delta_rule got unexpected keyword arguments: {', '.join(sorted(removed))}")
+    if cp_context is not None:
+        raise ValueError("cp_context (FLA's context parallel) is not supported: use cake_ops.kcp")
+    if chunk_size not in (16, 32, 64):
+        raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     if q.dim() != 4:
         raise ValueError(f"q must be [B, T, H, K], got shape {tuple(q.shape)}")
-    return gdn(
+    if v.dim() != 4:
+        raise ValueError(f"v must be [B, T, HV, V], got shape {tuple(v.shape)}")
+    HV = v.shape[2]
+    if use_gate_in_kernel:
+        if A_log is None:
+            raise ValueError("A_log must be given with use_gate_in_kernel=True")
+        if A_log.numel() != HV:
+            raise ValueError(f"A_log must have HV = {HV} elements, got shape {tuple(A_log.shape)}")
+        if dt_bias is not None and dt_bias.numel() != HV:
+            raise ValueError(f"dt_bias must have HV = {HV} elements, got shape {tuple(dt_bias.shape)}")
+        x = g.float() if dt_bias is None else g.float() + dt_bias.float().reshape(HV)
+        g = -A_log.float().reshape(HV).exp() * F.softplus(x)
+    elif A_log is not None or dt_bias is not None:
+        raise ValueError("A_log and dt_bias are used only with use_gate_in_kernel=True")
+    else:
+        g = g.float()  # FLA takes g in any float dtype and cumsums it in fp32; the op takes fp32
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(beta.float()) * (2.0 if allow_neg_eigval else 1.0)
+    elif allow_neg_eigval:
+        raise ValueError("allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True")
+    if state_v_first and initial_state is not None:
+        initial_state = initial_state.transpose(-1, -2).contiguous()
+    o, final_state = gdn(
         q, k, v, g, beta, cu_seqlens,
         scale=scale,
         initial_state=initial_state,
@@ -54,3 +117,6 @@ def chunk_gated_delta_rule(
         reuse_recompute_tapes=reuse_recompute_tapes,
         graph=graph,
     )
+    if state_v_first and final_state is not None:
+        final_state = final_state.transpose(-1, -2).contiguous()
+    return o, final_state

@@ -300,25 +300,6 @@ def test_use_deterministic_algorithms_overrides_and_warns_once(monkeypatch):
     assert gdn_ops.effective_deterministic(False) is False  # the flag is off again
 
 
-# ---------------------------------------------------------------- FLA shim
-
-
-def test_fla_shim_equals_gdn():
-    i = _gdn_args("cpu")
-    o, ht = cake_ops.gdn(i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], scale=0.3,
-                         initial_state=i["initial_state"], output_final_state=True, use_qk_l2norm=True)
-    o2, ht2 = cake_ops.chunk_gated_delta_rule(
-        i["q"][None], i["k"][None], i["v"][None], i["g"][None], i["beta"][None], scale=0.3,
-        initial_state=i["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
-        cu_seqlens=i["cu_seqlens"],
-    )
-    assert o2.shape == (1,) + o.shape
-    assert torch.equal(o2[0], o) and torch.equal(ht2, ht)
-    _, none = cake_ops.chunk_gated_delta_rule(i["q"][None], i["k"][None], i["v"][None], i["g"][None],
-                                              i["beta"][None], cu_seqlens=i["cu_seqlens"])
-    assert none is None
-
-
 # ---------------------------------------------------------------- bad input
 
 
