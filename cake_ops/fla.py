@@ -1,7 +1,14 @@
 """Drop-in for flash-linear-attention's ``chunk_gated_delta_rule`` (FLA 0.6.0's argument
-names and positional order, [B, T, H, K] layout, same returns), running on ``cake::gdn_fwd``.
+names, [B, T, H, K] layout, same returns), and for FlashQLA's of the same name, running on
+``cake::gdn_fwd``.
 
     from cake_ops import chunk_gated_delta_rule   # instead of fla.ops.gated_delta_rule
+
+Positional are the nine parameters FLA 0.6.0 and FlashQLA 0.1.3 both take in that order
+(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel); the
+two order the rest differently (FLA's tenth is use_beta_sigmoid_in_kernel, FlashQLA's
+cu_seqlens), so the rest are keyword-only here: a tenth positional argument is an error,
+not a guess.
 
 FLA's options that act on the inputs and the state run here as PyTorch ops around the op,
 with their autograd, so they trace into a compiled graph as the op does:
@@ -18,9 +25,10 @@ with their autograd, so they trace into a compiled graph as the op does:
 ``chunk_size`` (16, 32 or 64) is accepted and does not change the result: the op's
 chunking is its own, and the math is the same for any. ``cu_seqlens_cpu`` and
 ``chunk_indices`` are accepted and ignored (cake never reads ``cu_seqlens`` on the host and
-plans its own chunks). FLA's ``cp_context`` is refused (cake's context parallel is
-``cake_ops.kcp``), as is the removed ``head_first`` layout and any keyword FLA does not
-have. Cake's own keywords: ``deterministic`` (default True), ``save_mode`` (default
+plans its own chunks), as are FlashQLA's ``auto_cp``, ``enable_fwd_cp_cache`` and
+``force_intra_cp`` (cake cuts long documents by its own plan). ``cp_context`` (FLA's or
+FlashQLA's context parallel) is refused (cake's is ``cake_ops.kcp``), as is
+``head_first=True``. Cake's own keywords: ``deterministic`` (default True), ``save_mode`` (default
 ``"light"``), ``recompute_output`` (default ``"auto"``), ``reuse_recompute_tapes`` (default
 None) and ``graph`` (default ``"off"``); see ``cake_ops.gdn``.
 """
@@ -45,6 +53,7 @@ def chunk_gated_delta_rule(
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    *,
     use_beta_sigmoid_in_kernel: bool = False,
     allow_neg_eigval: bool = False,
     state_v_first: bool = False,
@@ -52,33 +61,33 @@ def chunk_gated_delta_rule(
     cu_seqlens_cpu: torch.Tensor | None = None,
     chunk_indices: torch.Tensor | None = None,
     cp_context: object | None = None,
-    *,
     use_gate_in_kernel: bool = False,
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     chunk_size: int = 64,
+    head_first: bool = False,
+    transpose_state_layout: bool | None = None,
+    auto_cp: bool = True,
+    enable_fwd_cp_cache: bool = True,
+    force_intra_cp: bool = False,
     deterministic: bool = True,
     save_mode: str = "light",
     recompute_output: str = "auto",
     reuse_recompute_tapes: str | bool | None = None,
     graph: str = "off",
-    **removed,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """q, k: [B, T, H, K]; v: [B, T, HV, V]; g, beta: [B, T, HV]; with ``cu_seqlens``
     B must be 1. Returns (o [B, T, HV, V], final_state [N, HV, K, V] fp32 ([N, HV, V, K]
     with ``state_v_first``) or None)."""
-    if "transpose_state_layout" in removed:  # FLA's deprecated name of state_v_first
+    if transpose_state_layout is not None:  # FLA's deprecated name of state_v_first
         if state_v_first:
             raise ValueError("pass state_v_first or the deprecated transpose_state_layout, not both")
         warnings.warn("transpose_state_layout is deprecated: pass state_v_first", DeprecationWarning, stacklevel=2)
-        state_v_first = bool(removed.pop("transpose_state_layout"))
-    if "head_first" in removed:
-        if removed.pop("head_first"):
-            raise ValueError("head_first=True is not supported: pass q, k, v as [B, T, H, D]")
-    if removed:
-        raise TypeError(f"chunk_gated_delta_rule got unexpected keyword arguments: {', '.join(sorted(removed))}")
+        state_v_first = bool(transpose_state_layout)
+    if head_first:
+        raise ValueError("head_first=True is not supported: pass q, k, v as [B, T, H, D]")
     if cp_context is not None:
-        raise ValueError("cp_context (FLA's context parallel) is not supported: use cake_ops.kcp")
+        raise ValueError("cp_context (FLA's or FlashQLA's context parallel) is not supported: use cake_ops.kcp")
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     if q.dim() != 4:

@@ -162,7 +162,7 @@ def test_compiled_with_the_input_options_is_one_graph():
 def _bad_calls():
     i = _inputs("cpu", D=16)
     yield "cp_context", ValueError, "cp_context", dict(cp_context=object())
-    yield "unknown keyword", TypeError, "unexpected keyword arguments: use_gates", dict(use_gates=True)
+    yield "unknown keyword", TypeError, "unexpected keyword argument 'use_gates'", dict(use_gates=True)
     yield "chunk_size", ValueError, "chunk_size must be 16, 32 or 64", dict(chunk_size=128)
     yield "head_first", ValueError, "head_first=True is not supported", dict(head_first=True)
     yield "A_log missing", ValueError, "A_log must be given", dict(use_gate_in_kernel=True)
@@ -181,18 +181,23 @@ def test_refused_before_any_compute(label, error, match, options):
                                         cu_seqlens=i["cu_seqlens"], **options)
 
 
-def test_positional_order_is_fla_060s():
-    """FLA 0.6.0's positional parameters, in its order, before cake's keyword-only ones."""
+def test_positional_are_the_nine_fla_and_flashqla_share():
+    """FLA 0.6.0 and FlashQLA 0.1.3 agree on their first nine parameters and differ after
+    (FLA's tenth is use_beta_sigmoid_in_kernel, FlashQLA's cu_seqlens): those nine are
+    positional, a tenth positional argument is a TypeError, and FlashQLA's own keywords
+    (its intra-card CP knobs) are accepted."""
     import inspect
 
     params = inspect.signature(cake_ops.chunk_gated_delta_rule).parameters
     positional = [n for n, p in params.items() if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
     assert positional == ["q", "k", "v", "g", "beta", "scale", "initial_state", "output_final_state",
-                          "use_qk_l2norm_in_kernel", "use_beta_sigmoid_in_kernel", "allow_neg_eigval",
-                          "state_v_first", "cu_seqlens", "cu_seqlens_cpu", "chunk_indices", "cp_context"]
+                          "use_qk_l2norm_in_kernel"]
+    i = _inputs("cpu", D=16)
+    args = _batched(i["q"], i["k"], i["v"], i["g"], i["beta"])
+    with pytest.raises(TypeError, match="positional"):
+        cake_ops.chunk_gated_delta_rule(*args, None, None, False, False, i["cu_seqlens"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        i = _inputs("cpu", D=16)
-        o, _ = cake_ops.chunk_gated_delta_rule(*_batched(i["q"], i["k"], i["v"], i["g"], i["beta"]), None, None,
-                                               False, False, False, False, False, i["cu_seqlens"])
-        assert o.shape[1] == i["q"].shape[0]
+        o, _ = cake_ops.chunk_gated_delta_rule(*args, None, None, False, False, cu_seqlens=i["cu_seqlens"],
+                                               auto_cp=False, enable_fwd_cp_cache=False, force_intra_cp=True)
+    assert torch.equal(o, cake_ops.chunk_gated_delta_rule(*args, cu_seqlens=i["cu_seqlens"])[0])
