@@ -96,6 +96,9 @@ def chunk_gated_delta_rule(
         raise ValueError(f"v must be [B, T, HV, V], got shape {tuple(v.shape)}")
     HV = v.shape[2]
     if use_gate_in_kernel:
+        # Checked here, not only by the op: a g of the wrong shape would broadcast against dt_bias.
+        if g.shape != v.shape[:3]:
+            raise ValueError(f"g must be [B, T, HV] = {tuple(v.shape[:3])}, got shape {tuple(g.shape)}")
         if A_log is None:
             raise ValueError("A_log must be given with use_gate_in_kernel=True")
         if A_log.numel() != HV:

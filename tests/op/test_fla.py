@@ -10,9 +10,9 @@ import torch.nn.functional as F
 
 import cake_ops
 from cake_ops.reference import gdn_reference
-from cake_ops.testing import accuracy, make_gdn_inputs
+from cake_ops.testing import make_gdn_inputs
 
-from conftest import DEVICES, record_accuracy
+from conftest import DEVICES, assert_within_contract
 
 
 def _inputs(device, H=2, G=2, D=128, lengths=(70, 1, 130), seed=0):
@@ -80,14 +80,7 @@ def test_fla_input_options_against_the_reference(form, device):
     torch.autograd.backward([ro, rht], [do[0].double(), dht.double()])
     pairs = {"o": (o[0], ro), "final_state": (ht, rht)}
     pairs.update({"d" + n: (leaves[n].grad, ref[n].grad) for n in names})
-    failures = []
-    for name, (x, r) in pairs.items():
-        assert x is not None, f"no gradient for {name}"
-        acc = accuracy(x, r)
-        record_accuracy(f"fla shim {name}", acc)
-        if not acc.ok:
-            failures.append(f"{name}: {acc}")
-    assert not failures, f"{form} on {device}: " + "; ".join(failures)
+    assert_within_contract("fla shim", pairs, f"{form} on {device}")
 
 
 def test_state_v_first_takes_and_gives_the_transposed_states():
@@ -165,6 +158,8 @@ def _bad_calls():
     yield "unknown keyword", TypeError, "unexpected keyword argument 'use_gates'", dict(use_gates=True)
     yield "chunk_size", ValueError, "chunk_size must be 16, 32 or 64", dict(chunk_size=128)
     yield "head_first", ValueError, "head_first=True is not supported", dict(head_first=True)
+    yield "g shape with the gate", ValueError, "g must be \\[B, T, HV\\]", dict(
+        use_gate_in_kernel=True, A_log=i["A_log"], g=i["g"][:, :1][None])
     yield "A_log missing", ValueError, "A_log must be given", dict(use_gate_in_kernel=True)
     yield "A_log shape", ValueError, "A_log must have HV = 4", dict(use_gate_in_kernel=True, A_log=i["A_log"][:3])
     yield "dt_bias shape", ValueError, "dt_bias must have HV = 4", dict(
@@ -176,8 +171,10 @@ def _bad_calls():
 @pytest.mark.parametrize("label, error, match, options", list(_bad_calls()), ids=[c[0] for c in _bad_calls()])
 def test_refused_before_any_compute(label, error, match, options):
     i = _inputs("cpu", D=16)
+    options = dict(options)
+    g = options.pop("g", i["g"][None])  # a case's own g, else the inputs'
     with pytest.raises(error, match=match):
-        cake_ops.chunk_gated_delta_rule(*_batched(i["q"], i["k"], i["v"], i["g"], i["beta"]),
+        cake_ops.chunk_gated_delta_rule(*_batched(i["q"], i["k"], i["v"]), g, i["beta"][None],
                                         cu_seqlens=i["cu_seqlens"], **options)
 
 
