@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cake_ops.testing import Accuracy
+from cake_ops.testing import Accuracy, accuracy
 
 HAS_CUDA = torch.cuda.is_available()
 
@@ -38,6 +38,20 @@ def record_accuracy(name: str, acc: Accuracy) -> None:
         # pytest's "path::test[params] (call)" of the running test
         test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
         _WORST[name] = (acc, test)
+
+
+def assert_within_contract(prefix: str, pairs: dict, where: str) -> None:
+    """Every (result, FP64 reference) pair of ``pairs`` (by tensor name) within the accuracy
+    contract, each recorded under "``prefix`` name" for the session's summary; one failure
+    names every tensor out of it, with ``where``."""
+    failures = []
+    for name, (x, ref) in pairs.items():
+        assert x is not None, f"no gradient for {name}"
+        acc = accuracy(x, ref)
+        record_accuracy(f"{prefix} {name}", acc)
+        if not acc.ok:
+            failures.append(f"{name}: {acc}")
+    assert not failures, f"{where}: " + "; ".join(failures)
 
 
 # No test may run longer than this (seconds; CAKE_OPS_TEST_TIMEOUT, 0: no limit): a kernel

@@ -245,7 +245,7 @@ class KcpContext:
         (``segment_chunks`` = -1), of the relay's document's grid class: the summaries of
         those segments are the ones a call on the relay chains (docs/kcp.md, "Relays")."""
         return _kept(self._tables, ("relay_segments", device, HV, segment_chunks),
-                           lambda: _relay_segments(self, device, HV, segment_chunks))
+                     lambda: _relay_segments(self, device, HV, segment_chunks))
 
     def ring_tables(self, device: torch.device) -> tuple[RingStep, ...]:
         """The ring exchange's steps on ``device`` (made at the first call per device)."""

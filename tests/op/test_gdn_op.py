@@ -15,7 +15,7 @@ from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
 from cases import GdnCase, params
-from conftest import DEVICES, record_accuracy
+from conftest import DEVICES, assert_within_contract, record_accuracy
 
 _rng = random.Random(1234)
 CASES = [
@@ -138,16 +138,8 @@ def _run_case(case: GdnCase, device):
 @pytest.mark.parametrize("case", params(CASES))
 def test_gdn_accuracy(case, device):
     pairs = _run_case(case, device)
-    failures = []
-    for name, (x, ref) in pairs.items():
-        assert x is not None, f"no gradient for {name}"
-        if name == "dbeta":
-            assert x.dtype == case.beta_dtype
-        acc = accuracy(x, ref)
-        record_accuracy(f"gdn {name}", acc)
-        if not acc.ok:
-            failures.append(f"{name}: {acc}")
-    assert not failures, f"{case.id} on {device}: " + "; ".join(failures)
+    assert_within_contract("gdn", pairs, f"{case.id} on {device}")
+    assert pairs["dbeta"][0].dtype == case.beta_dtype
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,10 +6,10 @@ import torch
 
 import cake_ops
 from cake_ops.reference import short_conv_reference
-from cake_ops.testing import accuracy, poisoned_allocations
+from cake_ops.testing import poisoned_allocations
 
 from cases import ShortConvCase, params
-from conftest import DEVICES, record_accuracy
+from conftest import DEVICES, assert_within_contract
 
 CASES = [
     ShortConvCase("w4_silu_state_bf16", (1, 2, 3, 64, 65, 0, 7), 96, 4, bias=True, initial_state=True,
@@ -49,13 +49,8 @@ def test_short_conv_accuracy(case, device):
     ry = short_conv_reference(ref["x"], ref["weight"], ref.get("bias"), cu, ref.get("initial_state"), act)
     ry.backward(dy.double())
     assert y.dtype == dtype and y.shape == (T, D)
-    failures = []
-    for tname, (x, r) in {"y": (y, ry), **{"d" + n: (leaves[n].grad, ref[n].grad) for n in leaves}}.items():
-        acc = accuracy(x, r)
-        record_accuracy(f"short_conv {tname}", acc)
-        if not acc.ok:
-            failures.append(f"{tname}: {acc}")
-    assert not failures, f"{name}: " + "; ".join(failures)
+    assert_within_contract("short_conv", {"y": (y, ry), **{"d" + n: (leaves[n].grad, ref[n].grad) for n in leaves}},
+                           name)
 
 
 def test_short_conv_documents_are_isolated():
