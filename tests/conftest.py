@@ -32,12 +32,30 @@ def device_assert_output(setup: str, call: str) -> str:
     return out
 
 
-def record_accuracy(name: str, acc: Accuracy) -> None:
+def _keep_if_worse(name: str, acc: Accuracy, test: str) -> None:
     old = _WORST.get(name)
     if old is None or (acc.rel_rms, acc.max_abs_ratio) > (old[0].rel_rms, old[0].max_abs_ratio) or not acc.finite:
-        # pytest's "path::test[params] (call)" of the running test
-        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
         _WORST[name] = (acc, test)
+
+
+def record_accuracy(name: str, acc: Accuracy) -> None:
+    # pytest's "path::test[params] (call)" of the running test
+    _keep_if_worse(name, acc, os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0])
+
+
+# Under pytest-xdist (`-n N`) each worker keeps its own record; it hands it to the
+# controller when it finishes, which merges the records and prints the one summary.
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["cake_worst_accuracy"] = [
+            (name, a.rel_rms, a.max_abs_ratio, a.finite, test) for name, (a, test) in _WORST.items()]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for name, rel_rms, max_abs_ratio, finite, test in getattr(node, "workeroutput", {}).get("cake_worst_accuracy", ()):
+        _keep_if_worse(name, Accuracy(rel_rms, max_abs_ratio, finite), test)
 
 
 def assert_within_contract(prefix: str, pairs: dict, where: str) -> None:
