@@ -2,8 +2,10 @@
 
 Slow on purpose: one token at a time, exactly the recurrence of docs/math.md (The
 recurrence), so that every chunked or fused implementation is checked against the
-definition and not against another chunked algorithm. Differentiable with plain autograd (FP64 gradients
-are the reference gradients). Reads ``cu_seqlens`` on the host: it is not an op.
+definition and not against another chunked algorithm. Differentiable: the gradients are
+the recurrence's exact adjoint, walked back token by token (``_Recurrence``; checked
+against autograd through the same loop by tests/pytorch/test_reference.py), so they are
+the FP64 reference gradients. Reads ``cu_seqlens`` on the host: it is not an op.
 """
 
 from __future__ import annotations
@@ -13,10 +15,84 @@ import torch.nn.functional as F
 
 __all__ = ["gdn_reference", "short_conv_reference", "l2norm"]
 
+# Tokens between the states the forward keeps for its adjoint (the backward walks each
+# block's states again from its first): memory T / _BLOCK states, not T.
+_BLOCK = 64
+
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim (FLA's convention)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def _step(S, k, v, g, beta):
+    """One token's update of the states S [HV, K, V]: (S1 = e^g S, u, r = v - S1^T k, S2)."""
+    S1 = S * g.exp()[:, None, None]
+    r = v - torch.einsum("hkv,hk->hv", S1, k)
+    u = beta[:, None] * r
+    return S1, u, r, S1 + k[:, :, None] * u[:, None, :]
+
+
+class _Recurrence(torch.autograd.Function):
+    """The recurrence over a pack's documents (bounds: the host's cu_seqlens), FP64, on q
+    and k already normalised and repeated per value head ([T, HV, K]). Its backward is
+    the exact adjoint of the loop, token by token from each document's end:
+
+        dS2 += scale q do^T;  dq = scale S2 do;  du = dS2^T k;  dk = dS2 u
+        dbeta = <du, r>;  dv = beta du;  dS1 = dS2 - k dv^T;  dk -= S1 dv
+        dg = <S1, dS1>;  dS = e^g dS1
+
+    where autograd through the loop would fill a [T, HV, K] gradient for each token's
+    row of q, k and v (its select's backward): quadratic in T, seconds a long document."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, bounds, scale):
+        T, HV, K = q.shape
+        o = q.new_zeros(T, HV, v.shape[-1])
+        finals, kept = [], []
+        for n in range(len(bounds) - 1):
+            S = initial_state[n] if initial_state is not None else q.new_zeros(HV, K, v.shape[-1])
+            for t in range(bounds[n], bounds[n + 1]):
+                if (t - bounds[n]) % _BLOCK == 0:
+                    kept.append(S)
+                S = _step(S, k[t], v[t], g[t], beta[t])[3]
+                o[t] = torch.einsum("hkv,hk->hv", S, q[t]) * scale
+            finals.append(S)
+        ctx.save_for_backward(q, k, v, g, beta)
+        ctx.kept, ctx.bounds, ctx.scale, ctx.with_initial_state = kept, bounds, scale, initial_state is not None
+        final = torch.stack(finals) if finals else q.new_zeros(0, HV, K, v.shape[-1])
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        q, k, v, g, beta = ctx.saved_tensors
+        bounds, scale, kept = ctx.bounds, ctx.scale, ctx.kept
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dg, dbeta = torch.zeros_like(g), torch.zeros_like(beta)
+        dh0 = []
+        i = len(kept)
+        for n in reversed(range(len(bounds) - 1)):
+            dS = dfinal[n]  # (autograd passes zeros for an output without a gradient)
+            for s in reversed(range(bounds[n], bounds[n + 1], _BLOCK)):
+                i -= 1
+                S, states = kept[i], []
+                for t in range(s, min(s + _BLOCK, bounds[n + 1])):
+                    states.append(_step(S, k[t], v[t], g[t], beta[t]))
+                    S = states[-1][3]
+                for t in reversed(range(s, min(s + _BLOCK, bounds[n + 1]))):
+                    S1, u, r, S2 = states[t - s]
+                    dS = dS + scale * q[t][:, :, None] * do[t][:, None, :]
+                    dq[t] = scale * torch.einsum("hkv,hv->hk", S2, do[t])
+                    du = torch.einsum("hkv,hk->hv", dS, k[t])
+                    dbeta[t] = (du * r).sum(-1)
+                    dv[t] = beta[t][:, None] * du
+                    dk[t] = torch.einsum("hkv,hv->hk", dS, u) - torch.einsum("hkv,hv->hk", S1, dv[t])
+                    dS = dS - k[t][:, :, None] * dv[t][:, None, :]
+                    dg[t] = (S1 * dS).sum((-2, -1))
+                    dS = dS * g[t].exp()[:, None, None]
+            dh0.append(dS)
+        dinitial = torch.stack(dh0[::-1]) if ctx.with_initial_state else None
+        return dq, dk, dv, dg, dbeta, dinitial, None, None
 
 
 def gdn_reference(
@@ -32,38 +108,22 @@ def gdn_reference(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Token-by-token gated delta rule in FP64.
 
-    q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV]; cu_seqlens: [N+1];
+    q, k: [T, H, K]; v: [T, HV, V]; g, beta: [T, HV]; cu_seqlens: [N+1], from 0 to T;
     initial_state: [N, HV, K, V]. Returns (o [T, HV, V], final_state [N, HV, K, V]),
     both float64. Per value head hv (q/k head hv // (HV // H)), per document:
     S = exp(g_t) S;  S += k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T (scale q_t).
     """
     T, H, K = q.shape
-    HV, V = v.shape[1], v.shape[2]
-    G = HV // H
+    G = v.shape[1] // H
     scale = K**-0.5 if scale is None else scale
     q, k, v, g, beta = (x.double() for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    q = q.repeat_interleave(G, dim=1)  # [T, HV, K]
-    k = k.repeat_interleave(G, dim=1)
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, T])
-    bounds = cu_seqlens.tolist()
-    N = len(bounds) - 1
-    outs, finals = [], []
-    for n in range(N):
-        if initial_state is not None:
-            S = initial_state[n].double()
-        else:
-            S = q.new_zeros(HV, K, V)
-        for t in range(bounds[n], bounds[n + 1]):
-            S = S * g[t].exp()[:, None, None]
-            u = beta[t][:, None] * (v[t] - torch.einsum("hkv,hk->hv", S, k[t]))
-            S = S + k[t][:, :, None] * u[:, None, :]
-            outs.append(torch.einsum("hkv,hk->hv", S, q[t]) * scale)
-        finals.append(S)
-    o = torch.stack(outs) if outs else q.new_zeros(0, HV, V)
-    return o, torch.stack(finals)
+    bounds = [0, T] if cu_seqlens is None else [int(b) for b in cu_seqlens.tolist()]
+    if bounds[0] != 0 or bounds[-1] != T or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"cu_seqlens must run from 0 to T = {T}, non-decreasing, got {bounds}")
+    return _Recurrence.apply(q.repeat_interleave(G, dim=1), k.repeat_interleave(G, dim=1), v, g, beta,
+                             None if initial_state is None else initial_state.double(), bounds, scale)
 
 
 def short_conv_reference(
