@@ -91,7 +91,9 @@ class _Recurrence(torch.autograd.Function):
                     dg[t] = (S1 * dS).sum((-2, -1))
                     dS = dS * g[t].exp()[:, None, None]
             dh0.append(dS)
-        dinitial = torch.stack(dh0[::-1]) if ctx.with_initial_state else None
+        dinitial = None
+        if ctx.with_initial_state:
+            dinitial = torch.stack(dh0[::-1]) if dh0 else q.new_zeros(0, q.shape[1], q.shape[2], v.shape[2])
         return dq, dk, dv, dg, dbeta, dinitial, None, None
 
 

@@ -74,3 +74,12 @@ def test_cu_seqlens_must_cover_the_tokens():
     for bad in ([0, 3], [1, 4], [0, 3, 2, 4]):
         with pytest.raises(ValueError, match="cu_seqlens must run from 0 to T"):
             gdn_reference(x, x, x, g, g, torch.tensor(bad))
+
+
+def test_no_documents():
+    x = torch.zeros(0, 1, 4, dtype=torch.float64, requires_grad=True)
+    g = torch.zeros(0, 1, dtype=torch.float64, requires_grad=True)
+    h = torch.zeros(0, 1, 4, 4, dtype=torch.float64, requires_grad=True)
+    o, ht = gdn_reference(x, x, x, g, g, torch.tensor([0]), initial_state=h)
+    (o.sum() + ht.sum()).backward()
+    assert o.shape == (0, 1, 4) and ht.shape == (0, 1, 4, 4) and h.grad.shape == (0, 1, 4, 4)
