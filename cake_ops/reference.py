@@ -156,10 +156,14 @@ def short_conv_reference(
         else:
             before = x.new_zeros(W - 1, D)
         padded = torch.cat([before, doc], 0)
-        for t in range(doc.shape[0]):
-            window = padded[t : t + W]  # [W, D], oldest first
-            ys.append((window.transpose(0, 1) * weight).sum(-1))
-    y = torch.stack(ys) if ys else x.new_zeros(0, D)
+        # y[t] = sum_i weight[:, i] * padded[t + i]: the W taps over all of the document's
+        # tokens at once (a per-token window's backward filled the whole padded rows each).
+        L = doc.shape[0]
+        y_doc = x.new_zeros(L, D)
+        for i in range(W):
+            y_doc = y_doc + padded[i : i + L] * weight[:, i]
+        ys.append(y_doc)
+    y = torch.cat(ys) if ys else x.new_zeros(0, D)
     if bias is not None:
         y = y + bias.double()
     if activation == "silu":
