@@ -143,7 +143,7 @@ def export(revs: list[str]) -> None:
 
 
 def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = "fwd", bits: bool = False,
-        deadline: float | None = None) -> int:
+        deadline: float | None = None, test_workers: int = 1) -> int:
     order = [line.split() for line in (AB / "order").read_text().splitlines() if line.strip()]
     if trees:
         wanted = trees.split(",")
@@ -241,7 +241,8 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
                     failed.append(f"{name}: tests")
                     continue
                 pytest = subprocess.run(
-                    [sys.executable, "-m", "pytest", "-q", "-x", *found, "-p", "no:cacheprovider"],
+                    [sys.executable, "-m", "pytest", "-q", "-x", *found, "-p", "no:cacheprovider",
+                     *(["-n", str(test_workers)] if test_workers > 1 else [])],
                     cwd=ROOT, capture_output=True, text=True, timeout=400,
                 )
                 say(f"tests {' '.join(found)}: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
@@ -287,13 +288,18 @@ def main() -> int:
                     "that would end past it (by the longest visit of its kind so far)")
     rn.add_argument("--bits", action="store_true",
                     help="compare one forward+backward's outputs and gradients bitwise across the trees (tools/gdn_bits.py)")
+    rn.add_argument("--test-workers", type=int, default=1,
+                    help="with --tests, run each tree's tests in this many processes (pytest-xdist's -n; the "
+                    "FP64 reference's token loops are host-bound)")
     args = parser.parse_args()
     if args.cmd == "export":
         export(args.revs)
         return 0
     if args.rounds < 1:
         parser.error("--rounds must be >= 1")
-    return run(args.shapes, args.tests, args.trees, args.rounds, args.op, args.bits, args.deadline)
+    if args.test_workers < 1:
+        parser.error("--test-workers must be >= 1")
+    return run(args.shapes, args.tests, args.trees, args.rounds, args.op, args.bits, args.deadline, args.test_workers)
 
 
 if __name__ == "__main__":

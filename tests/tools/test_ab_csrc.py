@@ -189,12 +189,13 @@ def test_fwdbwd_times_by_the_trees_bench_and_runs_its_backward_tests(ab, monkeyp
             Path(cmd[cmd.index("--json") + 1]).write_text(json.dumps({"results": cells}))
             seen.append(("bench", tree, None))
         else:
+            assert cmd[cmd.index("-n") + 1] == "3"  # --test-workers
             seen.append(("pytest", tree, [c for c in cmd if c.endswith(".py")]))
             return subprocess.CompletedProcess(cmd, 0, stdout="9 passed", stderr="")
         return subprocess.CompletedProcess(cmd, 0, stdout="built", stderr="")
 
     monkeypatch.setattr(module.subprocess, "run", fake_run)
-    assert module.run("s32k_h16", tests=True, trees=None, op="fwdbwd") == 1
+    assert module.run("s32k_h16", tests=True, trees=None, op="fwdbwd", test_workers=3) == 1
     assert seen == [
         ("build", "with_bwd", None), ("bench", "with_bwd", None),
         ("pytest", "with_bwd", ["tests/cuda/test_gdn_bwd_cuda.py", "tests/cuda/test_gdn_bwd_walk_cuda.py"]),
