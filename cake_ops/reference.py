@@ -25,12 +25,14 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def _step(S, k, v, g, beta):
-    """One token's update of the states S [HV, K, V]: (S1 = e^g S, u, r = v - S1^T k, S2)."""
-    S1 = S * g.exp()[:, None, None]
-    r = v - torch.einsum("hkv,hk->hv", S1, k)
+def _step(S, k, v, a, beta):
+    """One token's update of the states S [HV, K, V], a = e^g [HV]: (S1 = a S, u, r = v - S1^T k, S2).
+    Batched products over the value heads (bmm, baddbmm: one launch each on a GPU, where the
+    loop's small ops are launch-bound)."""
+    S1 = S * a[:, None, None]
+    r = v - torch.bmm(k[:, None, :], S1)[:, 0]
     u = beta[:, None] * r
-    return S1, u, r, S1 + k[:, :, None] * u[:, None, :]
+    return S1, u, r, torch.baddbmm(S1, k[:, :, None], u[:, None, :])
 
 
 class _Recurrence(torch.autograd.Function):
@@ -48,25 +50,29 @@ class _Recurrence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, initial_state, bounds, scale):
         T, HV, K = q.shape
-        o = q.new_zeros(T, HV, v.shape[-1])
+        V = v.shape[-1]
+        a, qs = g.exp(), q * scale
+        o = q.new_zeros(T, HV, V)
         finals, kept = [], []
         for n in range(len(bounds) - 1):
-            S = initial_state[n] if initial_state is not None else q.new_zeros(HV, K, v.shape[-1])
+            S = initial_state[n] if initial_state is not None else q.new_zeros(HV, K, V)
             for t in range(bounds[n], bounds[n + 1]):
                 if (t - bounds[n]) % _BLOCK == 0:
                     kept.append(S)
-                S = _step(S, k[t], v[t], g[t], beta[t])[3]
-                o[t] = torch.einsum("hkv,hk->hv", S, q[t]) * scale
+                S = _step(S, k[t], v[t], a[t], beta[t])[3]
+                torch.bmm(qs[t][:, None, :], S, out=o[t][:, None, :])  # o_t = S^T (scale q_t)
             finals.append(S)
         ctx.save_for_backward(q, k, v, g, beta)
         ctx.kept, ctx.bounds, ctx.scale, ctx.with_initial_state = kept, bounds, scale, initial_state is not None
-        final = torch.stack(finals) if finals else q.new_zeros(0, HV, K, v.shape[-1])
+        final = torch.stack(finals) if finals else q.new_zeros(0, HV, K, V)
         return o, final
 
     @staticmethod
     def backward(ctx, do, dfinal):
         q, k, v, g, beta = ctx.saved_tensors
-        bounds, scale, kept = ctx.bounds, ctx.scale, ctx.kept
+        bounds, kept = ctx.bounds, ctx.kept
+        HV = q.shape[1]
+        a, qs = g.exp(), q * ctx.scale
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         dg, dbeta = torch.zeros_like(g), torch.zeros_like(beta)
         dh0 = []
@@ -77,20 +83,22 @@ class _Recurrence(torch.autograd.Function):
                 i -= 1
                 S, states = kept[i], []
                 for t in range(s, min(s + _BLOCK, bounds[n + 1])):
-                    states.append(_step(S, k[t], v[t], g[t], beta[t]))
+                    states.append(_step(S, k[t], v[t], a[t], beta[t]))
                     S = states[-1][3]
                 for t in reversed(range(s, min(s + _BLOCK, bounds[n + 1]))):
                     S1, u, r, S2 = states[t - s]
-                    dS = dS + scale * q[t][:, :, None] * do[t][:, None, :]
-                    dq[t] = scale * torch.einsum("hkv,hv->hk", S2, do[t])
-                    du = torch.einsum("hkv,hk->hv", dS, k[t])
-                    dbeta[t] = (du * r).sum(-1)
-                    dv[t] = beta[t][:, None] * du
-                    dk[t] = torch.einsum("hkv,hv->hk", dS, u) - torch.einsum("hkv,hv->hk", S1, dv[t])
-                    dS = dS - k[t][:, :, None] * dv[t][:, None, :]
-                    dg[t] = (S1 * dS).sum((-2, -1))
-                    dS = dS * g[t].exp()[:, None, None]
+                    dS = torch.baddbmm(dS, qs[t][:, :, None], do[t][:, None, :])
+                    torch.bmm(S2, do[t][:, :, None], out=dq[t][:, :, None])  # scaled after the loop
+                    du = torch.bmm(k[t][:, None, :], dS)[:, 0]
+                    torch.bmm(du[:, None, :], r[:, :, None], out=dbeta[t].view(HV, 1, 1))
+                    torch.mul(beta[t][:, None], du, out=dv[t])
+                    torch.baddbmm(torch.bmm(dS, u[:, :, None]), S1, dv[t][:, :, None], alpha=-1,
+                                  out=dk[t][:, :, None])
+                    dS = torch.baddbmm(dS, k[t][:, :, None], dv[t][:, None, :], alpha=-1)
+                    torch.bmm(S1.reshape(HV, 1, -1), dS.reshape(HV, -1, 1), out=dg[t].view(HV, 1, 1))
+                    dS = dS * a[t][:, None, None]
             dh0.append(dS)
+        dq *= ctx.scale
         dinitial = None
         if ctx.with_initial_state:
             dinitial = torch.stack(dh0[::-1]) if dh0 else q.new_zeros(0, q.shape[1], q.shape[2], v.shape[2])
