@@ -108,14 +108,22 @@ def make_gdn_inputs(
     return {n: (t.to(device) if t is not None else None) for n, t in out.items()}
 
 
+# NVLink multicast off in NCCL, PyTorch and NVSHMEM, in every process of a multi-GPU run
+# before it starts NCCL: on the lent multi-GPU machines a program that uses it can take
+# the host's shared GPUs out of service (their environment sets these; a run keeps them).
+NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
 def run_spawned(entry, nprocs: int, args: tuple, timeout: float) -> None:
-    """``entry(rank, *args)`` in ``nprocs`` spawned processes; an exception in any (its
-    traceback) fails the caller, and past ``timeout`` seconds every process is killed.
-    ``entry`` must be importable (module level)."""
+    """``entry(rank, *args)`` in ``nprocs`` spawned processes (with NO_NVLINK_MULTICAST in
+    their environment); an exception in any (its traceback) fails the caller, and past
+    ``timeout`` seconds every process is killed. ``entry`` must be importable (module level)."""
+    import os
     import time
 
     import torch.multiprocessing as mp
 
+    os.environ.update(NO_NVLINK_MULTICAST)
     procs = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, start_method="spawn")
     deadline = time.monotonic() + timeout
     while not procs.join(timeout=1.0):

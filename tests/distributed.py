@@ -1,6 +1,7 @@
-"""Runs a test body on several ranks: spawned CPU processes with the gloo backend, a
-FileStore rendezvous (no ports), and a deadline after which every rank is killed. (Ranks
-as threads of one process: ``cake_ops.testing.run_rank_threads``.)"""
+"""Runs a test body on several ranks: spawned processes, on the CPU with the gloo backend
+(``run_ranks``) or one a GPU with NCCL (``run_nccl_ranks``), a FileStore rendezvous (no
+ports), and a deadline after which every rank is killed. (Ranks as threads of one process:
+``cake_ops.testing.run_rank_threads``.)"""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ import torch.distributed as dist
 from cake_ops.testing import run_spawned
 
 
-def _entry(rank: int, world: int, store_path: str, fn, args) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def _entry(rank: int, world: int, store_path: str, fn, args, backend: str = "gloo") -> None:
     import torch
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
+    device = None
+    if backend == "nccl":  # one rank a GPU; NVLink multicast off (run_spawned's environment)
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            device_id=device)
     try:
         fn(rank, world, *args)
         dist.barrier()  # no rank leaves while another still exchanges with it
@@ -33,9 +40,15 @@ def _entry(rank: int, world: int, store_path: str, fn, args) -> None:
     os._exit(0)
 
 
-def run_ranks(fn, world: int, *args, timeout: float = 300.0) -> None:
-    """``fn(rank, world, *args)`` on ``world`` gloo ranks; an exception on any rank (its
-    traceback) or the deadline fails the caller. ``fn`` must be importable (module level)."""
+def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "gloo") -> None:
+    """``fn(rank, world, *args)`` on ``world`` ranks (gloo on the CPU, or NCCL with rank r on
+    cuda:r); an exception on any rank (its traceback) or the deadline fails the caller.
+    ``fn`` must be importable (module level)."""
     with tempfile.TemporaryDirectory() as tmp:
-        run_spawned(_entry, world, (world, os.path.join(tmp, "store"), fn, args), timeout)
+        run_spawned(_entry, world, (world, os.path.join(tmp, "store"), fn, args, backend), timeout)
+
+
+def run_nccl_ranks(fn, world: int, *args, timeout: float = 600.0) -> None:
+    """``run_ranks`` with NCCL, one process a GPU (needs ``world`` GPUs)."""
+    run_ranks(fn, world, *args, timeout=timeout, backend="nccl")
 

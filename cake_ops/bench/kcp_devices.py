@@ -42,7 +42,7 @@ from .accuracy import GRAD_NAMES, reference_outputs
 from .report import make_meta
 from .shapes import ACCURACY_SHAPE, KCP_SHAPES, QUICK_SHAPES, SHAPES, make_inputs
 from .timing import Timer, busy_us
-from ..testing import run_spawned
+from ..testing import NO_NVLINK_MULTICAST, run_spawned
 
 NAMES = ("q", "k", "v", "g", "beta")
 NCCL_KERNEL = "nccl"  # NCCL's kernels' names start with ncclDevKernel / ncclKernel
@@ -282,6 +282,7 @@ def _spawned(rank: int, world: int, args, store_path: str, out_path: str) -> Non
 def run_kcp_devices(args, timeout: float = 3600.0) -> dict | None:
     """The whole run; the report on the process holding rank 0 (None on torchrun's others)."""
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
+        os.environ.update(NO_NVLINK_MULTICAST)  # before NCCL starts (the spawned ranks get it from run_spawned)
         world = int(os.environ["WORLD_SIZE"])
         if world != args.cp:
             raise SystemExit(f"--cp {args.cp} under torchrun with WORLD_SIZE={world}: they must agree")

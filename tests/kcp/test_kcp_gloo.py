@@ -135,6 +135,23 @@ def test_kcp_ranks_without_tokens():
     run_ranks(_tiny, 4, timeout=300)
 
 
+def _multicast_off(rank, world):
+    import os
+
+    from cake_ops.testing import NO_NVLINK_MULTICAST
+
+    wrong = {k: os.environ.get(k) for k, v in NO_NVLINK_MULTICAST.items() if os.environ.get(k) != v}
+    assert not wrong, f"rank {rank}: NVLink multicast not off: {wrong}"
+
+
+def test_spawned_ranks_keep_nvlink_multicast_off(monkeypatch):
+    """Every spawned rank (gloo here, NCCL on the multi-GPU machines) starts with NVLink
+    multicast off, whatever the caller's environment held."""
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
+    monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
+    run_ranks(_multicast_off, 2, timeout=120)
+
+
 def _unchained(rank, world):
     """No document crosses a rank boundary and no initial state: each rank runs the
     single-process op on its rows (no chain, no start states). The outputs, final states
