@@ -24,10 +24,12 @@ WORLDS = [pytest.param(w, marks=pytest.mark.skipif(GPUS < w, reason=f"needs {w} 
           for w in (2, 4, 8)]
 
 
-def _within_contract(rank, world, layout, lengths, H, HV, seed):
+def _against_the_single_gpu_op(rank, world, check, layout, lengths, H, HV, seed):
+    """test_kcp_cuda's ``_case`` (check "contract") or ``_bitwise_case`` ("bits") on this
+    rank, after the single-GPU op of the global batch on this rank's GPU."""
     single = _single_gpu(lengths, H, HV, seed)
     with poisoned_allocations():
-        _case(rank, world, layout, lengths, H, HV, seed, single)
+        {"contract": _case, "bits": _bitwise_case}[check](rank, world, layout, lengths, H, HV, seed, single)
 
 
 @pytest.mark.gpu
@@ -35,13 +37,8 @@ def _within_contract(rank, world, layout, lengths, H, HV, seed):
 @pytest.mark.parametrize("layout", ["C", "Z", "D"])
 def test_kcp_over_nccl_matches_the_single_gpu_op(world, layout):
     # Documents crossing every rank boundary at CP 8 too (T = 40,000: 5,000 tokens a rank).
-    run_nccl_ranks(_within_contract, world, layout, [12000, 65, 1, 9000, 300, 18634], 2, 6, 100 + world)
-
-
-def _bitwise(rank, world, layout, lengths, H, HV, seed):
-    single = _single_gpu(lengths, H, HV, seed)
-    with poisoned_allocations():
-        _bitwise_case(rank, world, layout, lengths, H, HV, seed, single)
+    run_nccl_ranks(_against_the_single_gpu_op, world, "contract", layout, [12000, 65, 1, 9000, 300, 18634], 2, 6,
+                   100 + world)
 
 
 @pytest.mark.gpu
@@ -50,7 +47,8 @@ def _bitwise(rank, world, layout, lengths, H, HV, seed):
 def test_deterministic_kcp_over_nccl_is_the_single_gpu_bits(world, layout):
     """On a grid-aligned context (align=GRID_ALIGN): documents of two ranks or more (relays
     at the higher degrees), the half grid's class (20,480 tokens at HV = 6) among them."""
-    run_nccl_ranks(_bitwise, world, layout, [20480, 300, 24576, 65, 1, 16384, 4096], 2, 6, 200 + world)
+    run_nccl_ranks(_against_the_single_gpu_op, world, "bits", layout, [20480, 300, 24576, 65, 1, 16384, 4096], 2, 6,
+                   200 + world)
 
 
 def _step_case(rank, world):
