@@ -73,8 +73,8 @@ class _Recurrence(torch.autograd.Function):
         bounds, kept = ctx.bounds, ctx.kept
         HV = q.shape[1]
         a, qs = g.exp(), q * ctx.scale
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dg, dbeta = torch.zeros_like(g), torch.zeros_like(beta)
+        # Row-major whatever the inputs' strides: their rows are the products' out= targets.
+        dq, dk, dv, dg, dbeta = (x.new_zeros(x.shape) for x in (q, k, v, g, beta))
         dh0 = []
         i = len(kept)
         for n in reversed(range(len(bounds) - 1)):
