@@ -10,8 +10,9 @@ A grid is what the ops' ``segment_chunks`` takes: -1 the plan's own (for the det
 plan the 64-chunk grid, halved for long documents of few walks), 0 uncut, else every
 that many chunks of every document alike (a forced grid has no finer long-document grid).
 Each cell times ``torch.ops.cake_cuda.gdn_fwd`` and ``gdn_bwd`` (no final state gradient,
-no initial state) on the benchmark's inputs (mamba gate, in-op L2 norm): the median over
---calls CUDA-event-timed groups of three calls, after two warm-up calls, and prints fwd, bwd
+no initial state) on the benchmark's inputs (mamba gate, in-op L2 norm): the median of
+--calls calls issued back to back (the benchmark's ``stream_ms``, ``cake_ops.bench.timing``),
+after two warm-up calls, and prints fwd, bwd
 and their sum in ms, with the sum's ratio to the plan's (-1; the first grid if -1 is not
 among them). The raw ops carry no autograd and no host-side Python of ``cake_ops.gdn``:
 the times are the kernels' and their launches'. The bits differ between grids (a cut
@@ -55,23 +56,6 @@ def parse_shapes(text: str) -> list[str]:
     return names
 
 
-def median_ms(fn, calls: int, inner: int = 3) -> float:
-    """Median over ``calls`` groups of ``inner`` calls of fn, CUDA events, ms a call."""
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(calls):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(inner):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / inner)
-    return statistics.median(times)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="s32k_h16,s32k_h2,s16k_long,s16k_h8")
@@ -88,9 +72,17 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("--calls must be at least 1")
 
     from cake_ops import build
+    from cake_ops.bench.timing import Timer
 
     ops = build.load()
     dev = torch.device("cuda")
+    timer = Timer(dev)
+
+    def median_ms(fn) -> float:
+        for _ in range(2):
+            fn()
+        return statistics.median(timer.stream_ms(fn, args.calls))
+
     deterministic = not args.nondeterministic
     print(f"{torch.cuda.get_device_name(dev)}, {torch.cuda.get_device_properties(dev).multi_processor_count} SMs; "
           f"{'deterministic' if deterministic else 'non-deterministic'} plan, mamba gate, in-op L2 norm")
@@ -108,10 +100,9 @@ def main(argv: list[str] | None = None) -> None:
                 return ops.gdn_bwd(x.do, None, x.q, x.k, x.v, x.g, x.beta, x.cu_seqlens, None, scale, True,
                                    deterministic, grid)
 
-            f, b = median_ms(fwd, args.calls), median_ms(bwd, args.calls)
+            f, b = median_ms(fwd), median_ms(bwd)
             base = base or f + b
             print(f"{name:10s} {grid:5d} {f:8.3f} {b:8.3f} {f + b:8.3f} {(f + b) / base:7.3f}", flush=True)
-        del x
 
 
 if __name__ == "__main__":

@@ -35,6 +35,10 @@ PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_24_x
              "manylinux2014_x86_64")
 
 
+def platform_args() -> list[str]:
+    return [arg for p in PLATFORMS for arg in ("--platform", p)]
+
+
 def one_wheel_per_project(wheels: list[str]) -> list[str]:
     """Of wheel file names, one per project: pip download fetches a project's wheel once per
     platform tag it matches, and pip install refuses two of one project. Kept: the one whose
@@ -53,9 +57,8 @@ def one_wheel_per_project(wheels: list[str]) -> list[str]:
 
 def pip_target_args(wheel_dir: Path, target: Path) -> list[str]:
     """pip's arguments that install the downloaded wheels for the GPU machine's Python."""
-    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     return ["install", "--quiet", "--no-deps", "--no-index", "--only-binary=:all:", "--python-version",
-            PYTHON_VERSION, *platforms, "--target", str(target),
+            PYTHON_VERSION, *platform_args(), "--target", str(target),
             *(str(wheel_dir / w) for w in one_wheel_per_project([p.name for p in wheel_dir.glob("*.whl")]))]
 
 
@@ -75,10 +78,9 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"out must end in .tar.xz, got {args.out}")
     with tempfile.TemporaryDirectory() as tmp:
         wheels, target = Path(tmp) / "wheels", Path(tmp) / "peers"
-        platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
         pip = [sys.executable, "-m", "pip"]
         subprocess.run([*pip, "download", "--quiet", "--no-deps", "--only-binary=:all:", "--python-version",
-                        PYTHON_VERSION, *platforms, "--dest", str(wheels), *PEERS], check=True)
+                        PYTHON_VERSION, *platform_args(), "--dest", str(wheels), *PEERS], check=True)
         subprocess.run([*pip, *pip_target_args(wheels, target)], check=True)
         args.out.parent.mkdir(parents=True, exist_ok=True)
         pack(target, args.out)
