@@ -114,17 +114,23 @@ def make_gdn_inputs(
 NO_NVLINK_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
+def _without_nvlink_multicast(rank: int, entry, *args) -> None:
+    import os
+
+    os.environ.update(NO_NVLINK_MULTICAST)
+    entry(rank, *args)
+
+
 def run_spawned(entry, nprocs: int, args: tuple, timeout: float) -> None:
     """``entry(rank, *args)`` in ``nprocs`` spawned processes (with NO_NVLINK_MULTICAST in
     their environment); an exception in any (its traceback) fails the caller, and past
     ``timeout`` seconds every process is killed. ``entry`` must be importable (module level)."""
-    import os
     import time
 
     import torch.multiprocessing as mp
 
-    os.environ.update(NO_NVLINK_MULTICAST)
-    procs = mp.start_processes(entry, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    procs = mp.start_processes(_without_nvlink_multicast, args=(entry, *args), nprocs=nprocs, join=False,
+                               start_method="spawn")
     deadline = time.monotonic() + timeout
     while not procs.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -146,10 +146,13 @@ def _multicast_off(rank, world):
 
 def test_spawned_ranks_keep_nvlink_multicast_off(monkeypatch):
     """Every spawned rank (gloo here, NCCL on the multi-GPU machines) starts with NVLink
-    multicast off, whatever the caller's environment held."""
+    multicast off, whatever the caller's environment holds (and keeps)."""
+    import os
+
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)
     run_ranks(_multicast_off, 2, timeout=120)
+    assert os.environ["NCCL_NVLS_ENABLE"] == "1"  # the ranks' environment, not the caller's
 
 
 def _unchained(rank, world):
