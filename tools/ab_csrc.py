@@ -241,13 +241,17 @@ def run(shapes: str, tests: bool, trees: str | None, rounds: int = 1, op: str = 
                     failed.append(f"{name}: tests")
                     continue
                 pytest = subprocess.run(
-                    [sys.executable, "-m", "pytest", "-q", "-x", *found, "-p", "no:cacheprovider",
+                    [sys.executable, "-m", "pytest", "-q", "-x", "-rfE", "--tb=short", *found, "-p", "no:cacheprovider",
                      *(["-n", str(test_workers)] if test_workers > 1 else [])],
                     cwd=ROOT, capture_output=True, text=True, timeout=400,
                 )
-                say(f"tests {' '.join(found)}: " + (pytest.stdout.strip().splitlines() or ["(no output)"])[-1])
+                lines = pytest.stdout.strip().splitlines() or ["(no output)"]
+                say(f"tests {' '.join(found)}: " + lines[-1])
                 if pytest.returncode != 0:
                     failed.append(f"{name}: tests")
+                    # The failure itself, not only the count: a later call should not be needed to find it.
+                    say("\n".join(line for line in lines if line.startswith(("FAILED", "ERROR"))))
+                    say(pytest.stdout[-4000:] + pytest.stderr[-2000:])
             took[first] = max(took.get(first, 0.0), time.monotonic() - visit_start)
     finally:
         for part in SWAPPED:

@@ -303,3 +303,28 @@ def test_deadline_starts_no_visit_that_would_end_past_it_and_still_closes(ab, mo
     assert "with_bwd" in table and "folders" in table and "rounds" in table
     assert _state(repo) == {f: "checkout" for f in CHECKOUT}
 
+
+
+def test_a_failing_test_is_named_in_the_log(ab, monkeypatch, capsys):
+    """A tree whose backward tests fail: the log holds pytest's FAILED lines and the tail of
+    its report, not only the count (the device call that ran it may be the session's last)."""
+    module, repo = ab
+    module.export(["with_bwd"])
+    report = ("F\n___ test_relay ___\nE   AssertionError: dh0\n"
+              "FAILED tests/cuda/test_gdn_bwd_cuda.py::test_relay[G1] - AssertionError: dh0\n1 failed, 33 passed")
+
+    def fake_run(cmd, cwd=None, capture_output=False, text=False, timeout=None, **kwargs):
+        if "pytest" in cmd:
+            assert "-rfE" in cmd
+            return subprocess.CompletedProcess(cmd, 1, stdout=report, stderr="")
+        if "cake_ops.bench" in cmd:
+            Path(cmd[cmd.index("--json") + 1]).write_text('{"results": []}')
+        return subprocess.CompletedProcess(cmd, 0, stdout="built", stderr="")
+
+    monkeypatch.setattr(module.subprocess, "run", fake_run)
+    assert module.run("s32k_h16", tests=True, trees=None, op="fwdbwd") == 1
+    out = capsys.readouterr().out
+    assert "tests tests/cuda/test_gdn_bwd_cuda.py tests/cuda/test_gdn_bwd_walk_cuda.py: 1 failed, 33 passed" in out
+    assert "FAILED tests/cuda/test_gdn_bwd_cuda.py::test_relay[G1] - AssertionError: dh0" in out
+    assert "E   AssertionError: dh0" in out
+    assert "FAILED: with_bwd: tests" in out
