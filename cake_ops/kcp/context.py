@@ -62,7 +62,7 @@ def half_grid(chunks: int, HV: int) -> bool:
     plan.h ``gdn_fwd_choose_segment_long_max``): a long document whose full-grid segments
     alone would leave SMs idle."""
     long_max = _DET_SEG_CHUNKS * (-(-_DET_FILL_WALKS // HV) - 1)
-    return long_max >= 4 * _DET_SEG_CHUNKS and 4 * _DET_SEG_CHUNKS <= chunks <= long_max
+    return long_max > 2 * _DET_SEG_CHUNKS and 2 * _DET_SEG_CHUNKS < chunks <= long_max
 
 
 def _snap(cu: Sequence[int], t: int, align: int) -> int:

@@ -32,14 +32,14 @@ __device__ __forceinline__ ChunkPos find_chunk(const int32_t* chunk_offsets, CuS
 }
 
 // The cut grid of a document of `chunks` chunks: every seg_chunks chunks from its start
-// (0: uncut), or every seg_chunks / 2 for a long document, of 4 seg_chunks .. long_max
-// chunks (long_max = 0: none; the deterministic plan's choice, plan.h). A function of
+// (0: uncut), or every seg_chunks / 2 for a long document, of more than 2 seg_chunks and
+// at most long_max chunks (long_max = 0: none; the deterministic plan's choice, plan.h). A function of
 // the document's own length, so its bits do not depend on its neighbours; or, for a
 // piece of a longer document (doc_flags kGdnHalfGrid / kGdnFullGrid, gdn.h), of that
 // document's length, which the caller gives as the flag.
 __host__ __device__ inline int doc_cut_chunks(int chunks, int seg_chunks, int long_max, uint8_t flags = 0) {
   const bool half = (flags & kGdnHalfGrid) != 0 ||
-                    ((flags & kGdnFullGrid) == 0 && chunks >= 4 * seg_chunks && chunks <= long_max);
+                    ((flags & kGdnFullGrid) == 0 && chunks > 2 * seg_chunks && chunks <= long_max);
   return seg_chunks > 1 && half ? seg_chunks / 2 : seg_chunks;
 }
 

@@ -49,10 +49,10 @@ __device__ __forceinline__ void check_cu_seqlens(const CuSeqlens& cu, int64_t n,
 // for the grids the call can cut at): else the kernel asserts, as for cu_seqlens.
 __device__ __forceinline__ void check_doc_flags(uint8_t flags, int64_t n, int seg_chunks, int long_max) {
   const bool bad = (flags & ~kGdnDocFlagBits) != 0 || ((flags & kGdnHalfGrid) && (flags & kGdnFullGrid)) ||
-                   ((flags & kGdnHalfGrid) && !(seg_chunks > 1 && long_max >= 4 * seg_chunks));
+                   ((flags & kGdnHalfGrid) && !(seg_chunks > 1 && long_max > 2 * seg_chunks));
   if (bad) {
     printf("cake gdn_fwd: doc_flags[%lld] = %d: its bits must be of 1, 2, 4, 8, with at most one of 4 and 8, and 4 "
-           "(the half grid) only where the call's plan has a half grid (deterministic, HV < 32)\n",
+           "(the half grid) only where the call's plan has a half grid (deterministic, HV < 43)\n",
            static_cast<long long>(n), static_cast<int>(flags));
     __assert_fail("doc_flags holds a bit the call cannot honour", __FILE__, __LINE__, __func__);
   }
@@ -190,7 +190,7 @@ int gdn_fwd_choose_segment_chunks(int64_t T, int64_t N, int64_t HV, bool determi
 int gdn_fwd_choose_segment_long_max(int64_t HV, bool deterministic) {
   if (!deterministic || HV <= 0) return 0;
   const int64_t long_max = kGdnDetSegChunks * ((kGdnDetFillWalks + HV - 1) / HV - 1);
-  return long_max >= 4 * kGdnDetSegChunks ? static_cast<int>(long_max) : 0;
+  return long_max > 2 * kGdnDetSegChunks ? static_cast<int>(long_max) : 0;
 }
 
 int gdn_bwd_choose_head_slices(int64_t T, int64_t N, int64_t H, int64_t HV, int seg_chunks, int seg_long_max,

@@ -37,11 +37,11 @@ inline int64_t gdn_fwd_inner_segment_slots(int64_t T, int seg_chunks, int64_t N 
 
 // The finest grid any document is cut at (doc_cut_chunks, chunks.cuh), for the slot bounds above.
 inline int gdn_fwd_finest_cut_chunks(int seg_chunks, int seg_long_max) {
-  return seg_chunks > 1 && seg_long_max >= 4 * seg_chunks ? seg_chunks / 2 : seg_chunks;
+  return seg_chunks > 1 && seg_long_max > 2 * seg_chunks ? seg_chunks / 2 : seg_chunks;
 }
 
 // Documents with >= 3 segments, the ones with a chain step: more than 2 seg_chunks
-// chunks (a long one, cut finer, has at least 4 seg_chunks), so more than 128 seg_chunks
+// chunks (a long one, cut finer, has more than 2 seg_chunks too), so more than 128 seg_chunks
 // tokens each. The chain launches a CTA group per such slot, not per document (with many
 // short documents almost all would return).
 // With doc_flags any document may have 3 (a real one between two empty ones).
@@ -52,11 +52,13 @@ inline int64_t gdn_fwd_chain_doc_slots(int64_t T, int64_t N, int seg_chunks, boo
 
 // The deterministic cut grid, for every shape and device (docs/contract.md, "Determinism").
 constexpr int kGdnDetSegChunks = 64;
-// Deterministic: a document of at least 4 kGdnDetSegChunks chunks (16,384 tokens) is cut
+// Deterministic: a document of more than 2 kGdnDetSegChunks chunks (8,192 tokens) is cut
 // every kGdnDetSegChunks / 2 while, cut at the full grid, its segments times HV would fill
 // fewer than kGdnDetFillWalks walks, i.e. up to kGdnDetSegChunks (ceil(kGdnDetFillWalks /
-// HV) - 1) chunks (none from HV = 32). Such a document alone leaves SMs idle at the full
+// HV) - 1) chunks (none from HV = 43). Such a document alone leaves SMs idle at the full
 // grid; the length and HV are the document's own, not the SM count's or its neighbours'.
+// The minimum keeps gdn_fwd_chain_doc_slots' bound: on either grid a document with a chain
+// step (three segments or more) has more than 2 kGdnDetSegChunks chunks.
 constexpr int kGdnDetFillWalks = 128;
 
 // The cut grid for a call: deterministic, kGdnDetSegChunks; otherwise chosen from the

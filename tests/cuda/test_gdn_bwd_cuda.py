@@ -301,8 +301,8 @@ def _pieces_are_the_whole_call(ops, inp, lengths, cut, plan, flags_left, flags_r
 
 
 # (middle document's tokens, the cut, G): at H = 2 the deterministic plan halves the grid
-# of a document of 256 .. long_max chunks (long_max 4032 chunks at HV = 2, 1344 at HV = 6).
-# A piece under 256 chunks of a half-grid document, and pieces in that range of a longer
+# of a document of 129 .. long_max chunks (long_max 4032 chunks at HV = 2, 1344 at HV = 6).
+# A piece of at most 128 chunks of a half-grid document, and pieces in that range of a longer
 # one, fall in the other class by their own lengths: the grid bits give them their
 # document's (csrc/gdn/chunks.cuh doc_cut_chunks).
 @pytest.mark.parametrize("middle, cut, G", [(20480, 4096, 1), (20480, 16384, 1), (89600, 20480, 3)],

@@ -243,12 +243,12 @@ def test_deterministic_plan_depends_on_the_document_alone(ops):
 
 
 def test_deterministic_grid_is_finer_for_a_long_document(ops):
-    """deterministic=True cuts a document of at least 256 chunks (16,384 tokens) every 32
+    """deterministic=True cuts a document of more than 128 chunks (8,192 tokens) every 32
     chunks while its 64-chunk segments times HV would fill fewer than 128 walks
-    (gdn_fwd.h; here HV = 2), and any other document every 64. Packed, the long
+    (csrc/gdn/plan.h; here HV = 2), and any other document every 64. Packed, the long
     document's bits are those of an explicit 32-chunk grid on it alone, the shorter one's
     those of a 64-chunk grid; against FP64, NaN-poisoned."""
-    short_len, long_len = 64 * 130 + 5, 64 * 256 + 37  # 131 and 257 chunks
+    short_len, long_len = 64 * 128, 64 * 128 + 5  # 128 and 129 chunks: either side of the half grid's minimum
     case = GdnCase("short_and_long", (short_len, long_len), G=2, l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=45)
     with poisoned_allocations():

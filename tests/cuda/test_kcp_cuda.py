@@ -234,7 +234,7 @@ def test_deterministic_kcp_is_the_single_gpu_bits(world, layout):
     (dh0 summed over the ranks) bitwise the single-GPU deterministic cake_ops.gdn's of the
     global batch, in the save modes and exchanges, on NaN-poisoned allocations (the
     pieces' calls chain their edges as the whole document's grid does: doc_flags)."""
-    lengths, H, HV = [9000, 65, 1, 12000, 300, 7000], 2, 6  # under 16,384 tokens: the full grid
+    lengths, H, HV = [9000, 65, 1, 12000, 300, 7000], 2, 6  # 9000 and 12000: the half grid at HV = 6
     single = _single_gpu(lengths, H, HV, seed=20 + world)
     with poisoned_allocations():
         run_rank_threads(_bitwise_case, world, layout, lengths, H, HV, 20 + world, single, timeout=300)
@@ -246,7 +246,7 @@ def test_deterministic_kcp_is_the_single_gpu_bits(world, layout):
     (4, "C", [20480, 300, 20480, 300, 20480]), (2, "Z", [20480, 300, 20480, 300, 20480]),
     (3, "Z", [20480, 300, 20480, 300, 20480])])
 def test_deterministic_kcp_of_half_grid_documents_is_the_single_gpu_bits(world, layout, lengths):
-    """As above, for documents of 16,384 tokens or more at HV = 6, which the deterministic
+    """As above, for documents of 16,384 tokens or more at HV = 6 (the half grid takes those over 8,192), which the deterministic
     plan cuts at half its grid, split where a fragment's own length would take the full
     grid: the fragments' doc_flags carry their documents' class (SubBatch.grid_flags)."""
     H, HV = 2, 6

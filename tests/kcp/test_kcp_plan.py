@@ -108,12 +108,13 @@ def test_kcp_errors_name_the_argument(one_rank_group):
         ctx.gather(torch.randn(9, 4))
 
 
-@pytest.mark.parametrize("HV, want", [(2, [8, 4, 4]), (6, [8, 4, 8]), (48, [8, 8, 8])])
+@pytest.mark.parametrize("HV, want", [(2, [8, 4, 4, 8, 4]), (6, [8, 4, 8, 8, 4]), (42, [8, 8, 8, 8, 4]),
+                                     (43, [8, 8, 8, 8, 8])])
 def test_grid_flags_give_each_fragment_its_documents_class(one_rank_group, HV, want):
     """``SubBatch.grid_flags``: the deterministic CUDA plan halves the grid of a document
-    of 256 .. long_max chunks, long_max = 64 (ceil(128 / HV) - 1) (4032 at HV = 2, 1344 at
-    HV = 6, none from HV = 32); here 300, 20480 and 89600 tokens (5, 320 and 1400 chunks),
-    whole documents on one rank, so no edge bits."""
-    ctx = build_context_kcp([0, 300, 20780, 110380], one_rank_group)
+    of 129 .. long_max chunks, long_max = 64 (ceil(128 / HV) - 1) (4032 at HV = 2, 1344 at
+    HV = 6, none from HV = 43); here 300, 20480, 89600, 8192 and 8193 tokens (5, 320, 1400,
+    128 and 129 chunks), whole documents on one rank, so no edge bits."""
+    ctx = build_context_kcp([0, 300, 20780, 110380, 118572, 126765], one_rank_group)
     flags = ctx.chain_tables(torch.device("cpu")).rest.grid_flags(HV)
     assert flags.dtype == torch.uint8 and flags.tolist() == want
