@@ -122,7 +122,7 @@ struct GdnFwdCoreArgs {
   // head. The workspaces hold the call's H and HV heads.
   int64_t H_stride, HV_stride;
   int seg_chunks;    // > 0: the cut grid in chunks; 0: one segment per document
-  int seg_long_max;  // documents of 4 seg_chunks .. seg_long_max chunks are cut every seg_chunks / 2 (0: none)
+  int seg_long_max;  // documents of more than 2 seg_chunks, at most seg_long_max chunks, are cut every seg_chunks / 2 (0: none)
   int walk_splits;     // CTAs per (segment, value head) walk with output: 1, or 2 (a half of the value columns each)
   int summary_splits;  // the same for the summaries; the bits are the same either way
   int sm_count;        // the device's SMs: the persistent summary grid's size bound

@@ -109,7 +109,7 @@ struct GdnPlan {
   int head_slices;      // the call's heads are head_slices * H and head_slices * HV (backward; else 1)
   bool use_qk_l2norm;
   int seg_chunks;      // the cut grid (0: uncut)
-  int seg_long_max;    // long documents of 4 seg_chunks .. seg_long_max chunks: cut at seg_chunks / 2
+  int seg_long_max;    // long documents of more than 2 seg_chunks, at most seg_long_max chunks: cut at seg_chunks / 2
   int walk_splits;     // value splits of the walk with output (1 or 2)
   int summary_splits;  // and of the summaries
   int sm_count;

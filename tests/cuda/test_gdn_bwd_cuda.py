@@ -254,8 +254,22 @@ def test_doc_flags_pieces_are_the_whole_calls_bits(ops, gate, segment_chunks, de
     inp = case.inputs("cuda")
     if gate == "window4":
         inp["g"] = torch.full_like(inp["g"], -0.08)
+    own = lambda n: _grid_class(n, 2 * G, segment_chunks)  # noqa: E731
     _pieces_are_the_whole_call(ops, inp, lengths, 64 * split_chunks, (128**-0.5, True, deterministic, segment_chunks,
-                                                                       value_splits), (0, 2), (1, 0))
+                                                                       value_splits),
+                               (own(lengths[0]), 2 | own(lengths[1])), (1 | own(lengths[1]), own(lengths[2])))
+
+
+def _grid_class(tokens, HV, segment_chunks):
+    """The doc_flags grid-class bit that gives a piece of a document of ``tokens`` tokens
+    its document's grid under the deterministic plan (segment_chunks -1; at these HV it
+    halves the grid of a document of more than 128 chunks, csrc/gdn/plan.h), or 0 under a
+    forced grid, which has one class."""
+    from cake_ops.kcp.context import FULL_GRID, HALF_GRID, half_grid
+
+    if segment_chunks != -1:
+        return 0
+    return HALF_GRID if half_grid(-(-tokens // 64), HV) else FULL_GRID
 
 
 def _pieces_are_the_whole_call(ops, inp, lengths, cut, plan, flags_left, flags_right):
@@ -341,8 +355,12 @@ def test_relay_pieces_from_segment_summaries_are_the_whole_calls_bits(ops, segme
     do, dht = _grad_inputs(inp, 43)
     q, k, v, g, beta, h0 = (inp[n] for n in ("q", "k", "v", "g", "beta", "initial_state"))
     plan = (128**-0.5, True, True, segment_chunks, -1)
-    grid = 64 * (64 if segment_chunks == -1 else segment_chunks)  # the document's grid, in tokens
     HV, D, T = v.shape[1], 128, sum(lengths)
+    from cake_ops.kcp.context import HALF_GRID
+
+    own = lambda n: _grid_class(n, HV, segment_chunks)  # noqa: E731
+    klass = own(lengths[1])  # the plan's 208-chunk document takes the half grid (32 chunks)
+    grid = 64 * (segment_chunks if segment_chunks != -1 else 32 if klass == HALF_GRID else 64)  # in tokens
     A, Bt = lengths[0] + a, lengths[0] + b  # the cuts, token rows
 
     def cu(*n):
@@ -354,30 +372,30 @@ def test_relay_pieces_from_segment_summaries_are_the_whole_calls_bits(ops, segme
     left, mid, right = slice(0, A), slice(A, Bt), slice(Bt, T)
     xs = lambda rows: tuple(x[rows] for x in (q, k, v, g, beta))  # noqa: E731
     R = (b - a) // grid
-    cu_seg, fl_seg, seg_cu = cu(*[grid] * R), flags(*[3] * R), torch.tensor([0, R], dtype=torch.int32, device="cuda")
+    cu_seg, fl_seg, seg_cu = cu(*[grid] * R), flags(*[3 | klass] * R), torch.tensor([0, R], dtype=torch.int32, device="cuda")
     eye = torch.eye(D, device="cuda").expand(R, HV, D, D).contiguous()
     whole_o, whole_final = ops.gdn_fwd(q, k, v, g, beta, inp["cu_seqlens"], h0, *plan)
     whole = ops.gdn_bwd(do, dht, q, k, v, g, beta, inp["cu_seqlens"], h0, *plan, -1, None)
     with poisoned_allocations():
-        out_l = ops.gdn_fwd(*xs(left), cu(lengths[0], a), h0[:2].contiguous(), *plan, flags(0, 2))
+        out_l = ops.gdn_fwd(*xs(left), cu(lengths[0], a), h0[:2].contiguous(), *plan, flags(own(lengths[0]), 2 | klass))
         S_a = out_l[1][1:2].contiguous()
         qm, km, vm, gm, bm = xs(mid)
         E = ops.gdn_fwd_final_state(qm, km, vm, gm, bm, cu_seg, None, *plan, fl_seg)
         M = ops.gdn_fwd_final_state(qm, km, torch.zeros_like(vm), gm, bm, cu_seg, eye, *plan, fl_seg)
         S_b = ops.gdn_state_chain(E, M, S_a, seg_cu)
-        out_m = ops.gdn_fwd(qm, km, vm, gm, bm, cu(b - a), S_a, *plan, flags(3))
+        out_m = ops.gdn_fwd(qm, km, vm, gm, bm, cu(b - a), S_a, *plan, flags(3 | klass))
         h0_r = torch.cat([S_b, h0[2:]])
-        out_r = ops.gdn_fwd(*xs(right), cu(lengths[1] - b, lengths[2]), h0_r, *plan, flags(1, 0))
+        out_r = ops.gdn_fwd(*xs(right), cu(lengths[1] - b, lengths[2]), h0_r, *plan, flags(1 | klass, own(lengths[2])))
         grads_r = ops.gdn_bwd(do[right], dht[1:].contiguous(), *xs(right), cu(lengths[1] - b, lengths[2]), h0_r,
-                              *plan, -1, None, flags(1, 0))
+                              *plan, -1, None, flags(1 | klass, own(lengths[2])))
         dS_b = grads_r[5][0:1].contiguous()
         F = ops.gdn_bwd_initial_state(do[mid], None, qm, km, gm, bm, cu_seg, *plan, fl_seg)
         B = ops.gdn_bwd_initial_state(torch.zeros_like(do[mid]), eye, qm, km, gm, bm, cu_seg, *plan, fl_seg)
         dS_a = ops.gdn_state_grad_chain(F, B, dS_b, seg_cu)
-        grads_m = ops.gdn_bwd(do[mid], dS_b, qm, km, vm, gm, bm, cu(b - a), S_a, *plan, -1, None, flags(3))
+        grads_m = ops.gdn_bwd(do[mid], dS_b, qm, km, vm, gm, bm, cu(b - a), S_a, *plan, -1, None, flags(3 | klass))
         dht_l = torch.cat([dht[0:1], dS_a])
         grads_l = ops.gdn_bwd(do[left], dht_l, *xs(left), cu(lengths[0], a), h0[:2].contiguous(), *plan, -1, None,
-                              flags(0, 2))
+                              flags(own(lengths[0]), 2 | klass))
     assert torch.equal(S_b, out_m[1]), "the chain of the summaries is not the relay call's chained end"
     assert torch.equal(dS_a, grads_m[5]), "the gradient chain is not the relay call's dh0"
     assert torch.equal(torch.cat([out_l[0], out_m[0], out_r[0]]), whole_o)

@@ -226,7 +226,7 @@ def test_deterministic_plan_depends_on_the_document_alone(ops):
     """deterministic=True cuts every document at a grid of its own length and HV, so a
     document's bits are the same alone and packed with others (any T, N, SM count); the non-deterministic
     plan (here cut differently) still meets the contract."""
-    long_len = 64 * 64 * 2 + 100  # three segments of the fixed 64-chunk grid
+    long_len = 64 * 64 * 2 + 100  # 130 chunks: five segments of the half grid (HV = 2)
     case = GdnCase("packed", (300, long_len, 4000), G=2, l2norm=True, initial_state=True)
     inp, l2 = _inputs(case, seed=31)
     o_packed, h_packed = _call(ops, inp, l2, deterministic=True)
