@@ -31,7 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import cake_ops  # noqa: E402  (the tree's, after the path above)
-from cake_ops.bench.shapes import SHAPES, Shape, make_inputs  # noqa: E402
+from cake_ops.bench.shapes import SHAPES, Shape, make_inputs, shape_names  # noqa: E402
 
 
 def run_shape(shape: Shape, device: torch.device, seed: int) -> dict[str, torch.Tensor]:
@@ -95,10 +95,11 @@ def main() -> int:
     cp.add_argument("files", nargs="+")
     args = ap.parse_args()
     if args.cmd == "save":
-        unknown = [s for s in args.shapes.split(",") if s not in SHAPES]
-        if unknown:
-            raise SystemExit(f"--shapes: unknown {', '.join(unknown)} (have {', '.join(SHAPES)})")
-        save(args.out, [SHAPES[s] for s in args.shapes.split(",")], torch.device(args.device), args.seed)
+        try:
+            names = shape_names(args.shapes)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+        save(args.out, [SHAPES[s] for s in names], torch.device(args.device), args.seed)
         print(f"saved {args.out}")
         return 0
     lines, equal = compare(args.files)

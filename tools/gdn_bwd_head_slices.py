@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from cake_ops import build  # noqa: E402
-from cake_ops.bench.shapes import SHAPES, make_inputs  # noqa: E402
+from cake_ops.bench.shapes import SHAPES, make_inputs, shape_names  # noqa: E402
 
 
 def main() -> None:
@@ -33,10 +33,14 @@ def main() -> None:
     ap.add_argument("--slices", default="1,2,4")
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args()
+    try:
+        names = shape_names(args.shapes)  # before any GPU work
+    except ValueError as e:
+        ap.error(str(e))
     ops = build.load()
     dev = torch.device("cuda")
     print(f"{'shape':10} {'slices':>6} {'ms':>8} {'peak MiB':>9}")
-    for name in args.shapes.split(","):
+    for name in names:
         shape = SHAPES[name]
         x = make_inputs(shape, dev, "mamba", seed=0)
 

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
 
-from cake_ops.bench.shapes import SHAPES, make_inputs  # noqa: E402
+from cake_ops.bench.shapes import SHAPES, make_inputs, shape_names  # noqa: E402
 from cake_ops.checks import MAX_SEGMENT_CHUNKS  # noqa: E402
 
 
@@ -48,14 +48,6 @@ def parse_grids(text: str) -> list[int]:
     return grids
 
 
-def parse_shapes(text: str) -> list[str]:
-    names = text.split(",")
-    unknown = [n for n in names if n not in SHAPES]
-    if unknown:
-        raise ValueError(f"--shapes: unknown {unknown}; the benchmark's are {sorted(SHAPES)}")
-    return names
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="s32k_h16,s32k_h2,s16k_long,s16k_h8")
@@ -65,7 +57,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--calls", type=int, default=5)
     args = ap.parse_args(argv)
     try:
-        shapes, grids = parse_shapes(args.shapes), parse_grids(args.grids)
+        shapes, grids = shape_names(args.shapes), parse_grids(args.grids)
     except ValueError as e:
         ap.error(str(e))
     if args.calls < 1:

@@ -29,7 +29,7 @@ from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from torch.utils.checkpoint import checkpoint  # noqa: E402
 
 import cake_ops  # noqa: E402
-from cake_ops.bench.shapes import SHAPES, make_inputs  # noqa: E402
+from cake_ops.bench.shapes import SHAPES, make_inputs, shape_names  # noqa: E402
 from cake_ops.bench.timing import busy_us, short_kernel_name  # noqa: E402
 
 
@@ -106,8 +106,12 @@ def main() -> None:
     ap.add_argument("--save-mode", default="light", choices=("light", "full"))
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
+    try:
+        names = shape_names(args.shapes)  # before any GPU work
+    except ValueError as e:
+        ap.error(str(e))
     device = torch.device("cuda")
-    for name in args.shapes.split(","):
+    for name in names:
         inp = make_inputs(SHAPES[name], device, "mamba", seed=0)
         step = step_fn(inp, args.op, args.save_mode)
         for _ in range(args.warmup):

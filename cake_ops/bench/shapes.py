@@ -72,6 +72,16 @@ QUICK_SHAPES = {
     )
 }
 # Context parallel's target shape (issue 20), for --cp only: two documents of 128k tokens.
+def shape_names(text: str) -> list[str]:
+    """A tool's ``--shapes``: comma-separated names of the benchmark's shapes (``SHAPES``),
+    checked before any GPU work; ValueError naming the unknown ones."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SHAPES]
+    if unknown or not names:
+        raise ValueError(f"--shapes: unknown {unknown or 'empty list'}; the benchmark's are {', '.join(SHAPES)}")
+    return names
+
+
 KCP_SHAPES = {s.name: s for s in (Shape("s256k_2docs_h16", (131072, 131072), 16, 48),
                                    Shape("s256k_1doc_h16", (262144,), 16, 48))}
 ACCURACY_SHAPE = Shape("accuracy", (100, 64, 37), 2, 6)

@@ -22,9 +22,13 @@ def test_grids_parsed_and_checked():
 
 
 def test_shapes_are_the_benchmarks():
-    assert tool.parse_shapes("s32k_h2,s16k_h8") == ["s32k_h2", "s16k_h8"]
+    from cake_ops.bench.shapes import shape_names
+
+    assert shape_names("s32k_h2,s16k_h8") == ["s32k_h2", "s16k_h8"]
     with pytest.raises(ValueError, match="unknown"):
-        tool.parse_shapes("s32k_h2,s1k")
+        shape_names("s32k_h2,s1k")
+    with pytest.raises(ValueError, match="empty list"):
+        shape_names(",")
 
 
 @pytest.mark.parametrize("argv", [["--grids", "16,abc"], ["--shapes", "nope"], ["--calls", "0"]])
