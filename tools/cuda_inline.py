@@ -1,5 +1,6 @@
 """Builds a tool's inline CUDA source against csrc/ for the H200 (sm_90a), the one way the
-GPU probes and checks in tools/ compile (torch.utils.cpp_extension.load_inline)."""
+GPU probes and checks in tools/ compile (torch.utils.cpp_extension.load_inline); and the
+device helpers the probes share (PROBE_HELPERS, after their includes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,41 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+
+# Device code the probes' kernels share (namespace probe; needs common/mma_sm80.cuh and
+# common/swizzle.cuh): the global timer, and a warpgroup's bf16 fragments to and from
+# 64-row SW128 tiles.
+PROBE_HELPERS = r"""
+namespace probe {
+
+__device__ __forceinline__ uint64_t now_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The A fragments (4 k16 steps over the tile's 64 rows) of the transpose of column block
+// `block` of a 64-row SW128 tile: its columns as M (16 warp ..), its rows as K; ldmatrix.trans,
+// as the reverse walk loads do^T.
+__device__ __forceinline__ void load_trans_frags(uint32_t (&f)[4][4], uint32_t tile, int block, int warp, int lane) {
+  const int mi = lane >> 3, r8 = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < 4; ++ks)
+    cake::mma::ldmatrix_x4_trans(f[ks], tile + cake::sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * block + 2 * warp + (mi & 1)));
+}
+
+// A warpgroup's 64-row bf16 A fragments (kSteps k16 steps) into rows 16 warp .. of a
+// K-major SW128 tile of 64 rows.
+template <int kSteps>
+__device__ __forceinline__ void store_frags(const uint32_t (&f)[kSteps][4], uint32_t tile, int warp, int lane) {
+  const int mi = lane >> 3, r8 = lane & 7;
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks)
+    cake::mma::stmatrix_x4(tile + cake::sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)), f[ks]);
+}
+
+}  // namespace probe
+"""
 
 
 def load(name: str, cpp_sources: str, cuda_sources: str, functions=("run",), ptxas_verbose: bool = False):

@@ -42,6 +42,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_inline import PROBE_HELPERS  # noqa: E402
 
 # The kernels, with no torch header, so that `nvcc -cubin` checks them on a machine without a GPU.
 KERNEL_SRC = r"""
@@ -53,6 +57,7 @@ KERNEL_SRC = r"""
 #include "common/swizzle.cuh"
 #include "common/wgmma_sm90.cuh"
 
+""" + PROBE_HELPERS + r"""
 namespace probe {
 
 using namespace cake;
@@ -68,12 +73,6 @@ constexpr int kSmemRequest = 120 * 1024;
 static_assert(kBytes + 1023 <= kSmemRequest, "the tiles fit the request, aligned");
 constexpr float kGamma = 0.9f;
 
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
 __device__ void fill(unsigned char* sm) {
   for (int i = threadIdx.x; i < kVec / 4; i += blockDim.x)
     reinterpret_cast<uint32_t*>(sm)[i] = mma::pack_bf16(0.01f, -0.01f);
@@ -81,24 +80,6 @@ __device__ void fill(unsigned char* sm) {
   for (int i = threadIdx.x; i < 3 * 64; i += blockDim.x) v[i] = i < 64 ? 1.f : (i < 128 ? -0.01f : 0.01f);
   wgmma::fence_proxy_async();
   __syncthreads();
-}
-
-// do^T of value rows v0 .. v0 + 63 as A fragments (tokens = k), as fwd_walk_reverse.cuh.
-__device__ __forceinline__ void load_do_frags(uint32_t (&f)[4][4], uint32_t sdo, int vblock, int warp, int lane) {
-  const int mi = lane >> 3, r8 = lane & 7;
-#pragma unroll
-  for (int ks = 0; ks < 4; ++ks)
-    mma::ldmatrix_x4_trans(f[ks], sdo + sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 8 * vblock + 2 * warp + (mi & 1)));
-}
-
-// A warpgroup's 64-row bf16 A fragments (kSteps k16 steps) into rows 16 warp .. of a
-// K-major SW128 tile of 64 rows.
-template <int kSteps>
-__device__ __forceinline__ void store_frags(const uint32_t (&f)[kSteps][4], uint32_t tile, int warp, int lane) {
-  const int mi = lane >> 3, r8 = lane & 7;
-#pragma unroll
-  for (int ks = 0; ks < kSteps; ++ks)
-    mma::stmatrix_x4(tile + sw128_offset(64, 16 * warp + (mi & 1) * 8 + r8, 2 * ks + (mi >> 1)), f[ks]);
 }
 
 // One chunk of the chain for 64 value rows held in s, every product register-sourced:
@@ -113,7 +94,7 @@ __device__ __forceinline__ void chain_rows(float (&s)[64], unsigned char* sm, in
   wgmma::mma_rs_m64n64_fresh<0>(y, sfrag, base + kK);
   wgmma::commit();
   uint32_t dofrag[4][4];
-  load_do_frags(dofrag, base + kDo, vblock, warp, lane);
+  load_trans_frags(dofrag, base + kDo, vblock, warp, lane);
   wgmma::wait<0>();
   wgmma::fence_operands(y);
   mma::scale_columns(y, vec, t4);
@@ -199,8 +180,8 @@ __global__ void __launch_bounds__(256, 1) chain_split(int chunks, float* ns, flo
       wgmma::fence_proxy_async();
       mma::bar_arrive(kBarDS, 256);
       uint32_t d0[4][4], d1[4][4];  // (do^T diag(outq)) of both row blocks, while X is formed
-      load_do_frags(d0, base + kDo, 0, warp, lane);
-      load_do_frags(d1, base + kDo, 1, warp, lane);
+      load_trans_frags(d0, base + kDo, 0, warp, lane);
+      load_trans_frags(d1, base + kDo, 1, warp, lane);
       mma::scale_token_frags(d0, vec + 128, t4);
       mma::scale_token_frags(d1, vec + 128, t4);
 #pragma unroll
@@ -251,8 +232,8 @@ __global__ void __launch_bounds__(256, 1) chain_split(int chunks, float* ns, flo
         wgmma::mma_ss_m64n64k16<0, 0>(y1, wgmma::desc_k_major(base + kDS + 16384, 64, ks), wgmma::desc_k_major(base + kK, 64, ks), ks > 0);
       wgmma::commit();
       uint32_t d0[4][4], d1[4][4];
-      load_do_frags(d0, base + kDo, 0, warp, lane);
-      load_do_frags(d1, base + kDo, 1, warp, lane);
+      load_trans_frags(d0, base + kDo, 0, warp, lane);
+      load_trans_frags(d1, base + kDo, 1, warp, lane);
       wgmma::wait<0>();
       wgmma::fence_operands(y0);
       wgmma::fence_operands(y1);
@@ -395,7 +376,7 @@ __global__ void __launch_bounds__(512, 1) chain_fused(int chunks, float* ns, flo
                                         wgmma::desc_k_major(base + kK, 64, ks), ks > 0);
         wgmma::commit();
         uint32_t d[4][4];
-        load_do_frags(d, base + kDo, b, warp, lane);
+        load_trans_frags(d, base + kDo, b, warp, lane);
         wgmma::wait<0>();
         wgmma::fence_operands(y);
         mma::scale_columns(y, vec, t4);

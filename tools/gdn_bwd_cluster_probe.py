@@ -24,6 +24,10 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cuda_inline import PROBE_HELPERS  # noqa: E402
 
 # The kernel, with no torch header, so that `nvcc -cubin` checks it on a machine without a GPU.
 KERNEL_SRC = r"""
@@ -32,7 +36,9 @@ KERNEL_SRC = r"""
 #include <cuda_bf16.h>
 
 #include "common/mma_sm80.cuh"
+#include "common/swizzle.cuh"
 
+""" + PROBE_HELPERS + r"""
 namespace probe {
 
 using namespace cake;
@@ -41,12 +47,6 @@ constexpr int kThreads = 256;
 constexpr int kPartial = 64 * 128;           // floats of dq (then dk) a CTA stages
 constexpr int kStaged = 2 * kPartial;        // dq and dk: 64 KB
 constexpr int kPerThread = kStaged / kThreads;  // 64: as a thread of bwd_local holds dq and dk
-
-__device__ __forceinline__ uint64_t now_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
 
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t r;

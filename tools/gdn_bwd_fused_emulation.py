@@ -46,8 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from cake_ops.pytorch import gdn as pytorch_gdn  # noqa: E402
-from cake_ops.reference import gdn_reference  # noqa: E402
-from cake_ops.testing import accuracy, make_gdn_inputs  # noqa: E402
+from cake_ops.testing import accuracy  # noqa: E402
 from cake_ops.varlen import from_chunks, to_chunks  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("gdn_bwd_tape_precision",
@@ -171,23 +170,8 @@ def fused_backward(prep, rstd, h, do, dht, initial_state, scale, G, vsplit, exac
 def errors(case: str, seed: int = 0, vsplits=(1, 2), exact: bool = False) -> dict[str, dict[str, tuple[float, float]]]:
     """{form: {gradient: (rel-RMS, max-abs ratio) against FP64}} for one case: the fused
     schedule at each vsplit and today's kernels' form."""
-    lengths, H, G, gate, beta, l2 = CASES[case]
-    inp = make_gdn_inputs(list(lengths), H, H * G, 128, 128, gate=gate, beta=beta, normalized_qk=not l2,
-                          initial_state=True, seed=seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    T, HV, V = inp["v"].shape
-    N = len(lengths)
-    do = torch.randn(T, HV, V, generator=gen).bfloat16()
-    dht = torch.randn(N, HV, V, V, generator=gen)
-    scale = 128**-0.5
-    args = [inp[n] for n in ("q", "k", "v", "g", "beta")]
-    prep, rstd = pytorch_gdn.prepare(*args, inp["cu_seqlens"], l2)
-    tapes = pytorch_gdn.walk_tapes(prep, do, dht, inp["initial_state"], scale)
-    ref = [a.double().requires_grad_() for a in args]
-    h0 = inp["initial_state"].double().requires_grad_()
-    o, ht = gdn_reference(*ref, inp["cu_seqlens"], initial_state=h0, use_qk_l2norm=l2)
-    torch.autograd.backward([o, ht], [do.double(), dht.double()])
-    refs = [r.grad for r in ref] + [h0.grad]
+    c = tape_precision.case_setup(case, seed)
+    prep, rstd, tapes, do, dht, scale, G, inp, refs = c.prep, c.rstd, c.tapes, c.do, c.dht, c.scale, c.G, c.inp, c.refs
     below = inp["g"] < pytorch_gdn.GATE_FLOOR
 
     def score(grads):

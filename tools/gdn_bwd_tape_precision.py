@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -76,8 +77,9 @@ def kernel_form(prep, rstd, tapes, t, do, scale, G) -> list[torch.Tensor]:
     return grads
 
 
-def errors(case: str, seed: int = 0) -> dict[str, dict[str, float]]:
-    """{variant: {gradient: rel-RMS against FP64}} for one case."""
+def case_setup(case: str, seed: int = 0) -> SimpleNamespace:
+    """One case's inputs, the PyTorch path's fp32 prep and tapes, and FP64 autograd of the
+    token-by-token reference: refs, the gradients of (q, k, v, g, beta, initial_state)."""
     lengths, H, G, gate, beta, l2 = CASES[case]
     inp = make_gdn_inputs(list(lengths), H, H * G, 128, 128, gate=gate, beta=beta, normalized_qk=not l2,
                           initial_state=True, seed=seed)
@@ -91,18 +93,28 @@ def errors(case: str, seed: int = 0) -> dict[str, dict[str, float]]:
     prep, rstd = pytorch_gdn.prepare(*args, inp["cu_seqlens"], l2)
     tapes = pytorch_gdn.walk_tapes(prep, do, dht, inp["initial_state"], scale)
     ref = [a.double().requires_grad_() for a in args]
-    o, ht = gdn_reference(*ref, inp["cu_seqlens"], initial_state=inp["initial_state"].double(), use_qk_l2norm=l2)
+    h0 = inp["initial_state"].double().requires_grad_()
+    o, ht = gdn_reference(*ref, inp["cu_seqlens"], initial_state=h0, use_qk_l2norm=l2)
     torch.autograd.backward([o, ht], [do.double(), dht.double()])
+    return SimpleNamespace(inp=inp, G=G, do=do, dht=dht, scale=scale, prep=prep, rstd=rstd, tapes=tapes,
+                           refs=[r.grad for r in ref] + [h0.grad])
+
+
+def errors(case: str, seed: int = 0) -> dict[str, dict[str, float]]:
+    """{variant: {gradient: rel-RMS against FP64}} for one case."""
+    c = case_setup(case, seed)
+    prep, rstd, tapes, do, scale, G = c.prep, c.rstd, c.tapes, c.do, c.scale, c.G
+    refs = c.refs
     out = {}
     for variant, rounded in VARIANTS.items():
         t = tapes._replace(**{n: getattr(tapes, n).bfloat16().float() for n in rounded})
         grads = pytorch_gdn.local_gradients(prep, rstd, t, do, scale, G)
-        out[variant] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
+        out[variant] = {n: accuracy(x, r).rel_rms for n, x, r in zip(NAMES, grads, refs)}
     t = tapes._replace(**{n: _bf16(getattr(tapes, n)) for n in TAPES})
     grads = kernel_form(prep, rstd, tapes, t, do, scale, G)
-    out[KERNEL] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
+    out[KERNEL] = {n: accuracy(x, r).rel_rms for n, x, r in zip(NAMES, grads, refs)}
     grads = kernel_form(prep, rstd, tapes, t._replace(v_new=v_new_from_h(prep, t.h)), do, scale, G)
-    out[RECOMPUTED] = {n: accuracy(x, r.grad).rel_rms for n, x, r in zip(NAMES, grads, ref)}
+    out[RECOMPUTED] = {n: accuracy(x, r).rel_rms for n, x, r in zip(NAMES, grads, refs)}
     return out
 
 

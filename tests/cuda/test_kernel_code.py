@@ -11,7 +11,7 @@ there is none), and
   vector store.
 
 The device-side probes of tools/ whose kernels include no torch header
-(tools/gdn_bwd_chain_probe.py, tools/gdn_bwd_cluster_probe.py) are compiled the same way, so that a tool the next GPU
+(tools/gdn_bwd_chain_probe.py, tools/gdn_bwd_cluster_probe.py, tools/gdn_bwd_fused_probe.py) are compiled the same way, so that a tool the next GPU
 session will run still builds and does not spill.
 """
 
@@ -92,7 +92,7 @@ def test_kernel_file_compiles_clean(nvcc, name, tmp_path):
     assert not split, f"{name}: 16-byte stores split into 4-byte stores at {split}"
 
 
-PROBE_TOOLS = ("gdn_bwd_chain_probe", "gdn_bwd_cluster_probe")
+PROBE_TOOLS = ("gdn_bwd_chain_probe", "gdn_bwd_cluster_probe", "gdn_bwd_fused_probe")
 
 
 @pytest.mark.parametrize("tool", PROBE_TOOLS)
