@@ -576,9 +576,16 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
 #ifndef PROBE_NREG_LK
 #define PROBE_NREG_LK 176
 #endif
-#define PROBE_STR2(x) #x
-#define PROBE_STR(x) PROBE_STR2(x)
 static_assert(24 + PROBE_NREG_CHAIN + PROBE_NREG_LQ + PROBE_NREG_LK <= 512, "the roles fit the register file");
+
+// A warpgroup's registers a thread set to kRegs from the launch's 128 (64K / 512 threads):
+// .dec below it, .inc above (each direction's instruction only moves its own way).
+template <int kRegs>
+__device__ __forceinline__ void set_registers() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg's range");
+  if constexpr (kRegs < 128) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+  if constexpr (kRegs > 128) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
 
 // kMode 0: the whole CTA; 1: the chain alone; 2: the local warpgroups alone.
 template <int kMode>
@@ -591,15 +598,15 @@ __global__ void __launch_bounds__(512, 1) fused_vsplit(int chunks, float* ns, fl
   float keep = 0.f;
   const uint64_t t0 = now_ns();
   if (wg == 0) {
-    asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
+    set_registers<24>();
   } else if (wg == 1) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 " PROBE_STR(PROBE_NREG_CHAIN) ";\n");
+    set_registers<PROBE_NREG_CHAIN>();
     if (kMode != 2) chain<kMode == 0>(sm, chunks, keep);
   } else if (wg == 2) {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 " PROBE_STR(PROBE_NREG_LQ) ";\n");
+    set_registers<PROBE_NREG_LQ>();
     if (kMode != 1) local_q<kMode == 0>(sm, chunks, keep);
   } else {
-    asm volatile("setmaxnreg.inc.sync.aligned.u32 " PROBE_STR(PROBE_NREG_LK) ";\n");
+    set_registers<PROBE_NREG_LK>();
     if (kMode != 1) local_k<kMode == 0>(sm, chunks, keep);
   }
   const uint64_t t1 = now_ns();
