@@ -49,10 +49,18 @@ from cake_ops.pytorch import gdn as pytorch_gdn  # noqa: E402
 from cake_ops.testing import accuracy  # noqa: E402
 from cake_ops.varlen import from_chunks, to_chunks  # noqa: E402
 
-_spec = importlib.util.spec_from_file_location("gdn_bwd_tape_precision",
-                                               Path(__file__).resolve().parent / "gdn_bwd_tape_precision.py")
-tape_precision = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(tape_precision)
+
+def _sibling(name: str):
+    """A tool of this folder, loaded as a module."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+tape_precision = _sibling("gdn_bwd_tape_precision")
+# TF32 rounding to nearest, ties away: cvt.rna.tf32, as the chunk-local kernel stores dA and A^T dA.
+round_tf32 = _sibling("prep_merge_precision").round_tf32
 
 CASES = tape_precision.CASES
 NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -62,19 +70,13 @@ def _bf16(x: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().float()
 
 
-def _tf32(x: torch.Tensor) -> torch.Tensor:
-    """fp32 rounded to TF32 (10 mantissa bits, to nearest even), as mma.sync's TF32 operand."""
-    bits = x.contiguous().view(torch.int32)
-    lsb = (bits >> 13) & 1
-    return ((bits + 0xFFF + lsb) & ~0x1FFF).view(torch.float32)
-
-
-def fused_backward(prep, rstd, h, do, dht, initial_state, scale, G, vsplit, exact=False):
-    """(dq, dk, dv, dg, dbeta, dh0) by the fused schedule (dg zero below the gate floor is the caller's). h: the fp32 state tape [NC, HV, K,
-    V] (the kernel reads it in bf16). Value columns in `vsplit` equal halves, each
-    emulating one CTA of the pair; their partials are added in half order."""
+def fused_backward(prep, rstd, h, do, dht, scale, G, vsplit, exact=False):
+    """(dq, dk, dv, dg, dbeta, dh0) by the fused schedule; dg's zero below the gate floor is
+    the caller's. h: the fp32 state tape [NC, HV, K, V] (the kernel reads it in bf16). The
+    value columns in `vsplit` equal parts, each one CTA of the pair; their partials are
+    added in that order."""
     rnd = (lambda x: x) if exact else _bf16
-    tf32 = (lambda x: x) if exact else _tf32
+    tf32 = (lambda x: x) if exact else round_tf32
     lay = prep.layout
     NC, HV, C = prep.gcum.shape
     N = lay.doc_first_slot.shape[0]
@@ -182,7 +184,7 @@ def errors(case: str, seed: int = 0, vsplits=(1, 2), exact: bool = False) -> dic
     out = {}
     for vs in vsplits:
         out[f"fused, vsplit {vs}" + (" (fp32)" if exact else "")] = score(
-            fused_backward(prep, rstd, tapes.h, do, dht, inp["initial_state"], scale, G, vs, exact))
+            fused_backward(prep, rstd, tapes.h, do, dht, scale, G, vs, exact))
     if not exact:
         t = tapes._replace(**{n: _bf16(getattr(tapes, n)) for n in tape_precision.TAPES})
         t = t._replace(v_new=tape_precision.v_new_from_h(prep, t.h))

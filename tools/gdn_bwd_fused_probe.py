@@ -5,7 +5,7 @@
 
 Step 1 of the fused backward's build order (docs/kernels.md, Backward, "The fused
 backward's plan"): one CTA per (segment, value head, value half), a cluster pair holding
-the two halves of V, four warpgroups in roles with the real accumulators, operand tiles and
+the two halves of V (the probe launches the CTAs alone, one an SM), four warpgroups in roles with the real accumulators, operand tiles and
 hand-overs of the schedule that tools/gdn_bwd_fused_emulation.py checks on the CPU:
 
 - warpgroup 0, the producer (setmaxnreg 24): TMA's role in the kernel; here it only exits
