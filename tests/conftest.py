@@ -16,6 +16,16 @@ HAS_CUDA = torch.cuda.is_available()
 _WORST: dict[str, tuple[Accuracy, str]] = {}
 
 
+def load_tool(name: str):
+    """tools/<name>.py as a module (the tools are scripts, not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def device_assert_output(setup: str, call: str) -> str:
     """Runs ``setup`` and then ``call`` (Python lines, with torch, cake_ops and
     cake_ops.testing.make_gdn_inputs imported) in a fresh process from the repository

@@ -15,7 +15,6 @@ The device-side probes of tools/ whose kernels include no torch header
 session will run still builds and does not spill.
 """
 
-import importlib.util
 import re
 import subprocess
 from pathlib import Path
@@ -23,6 +22,8 @@ from pathlib import Path
 import pytest
 
 from cake_ops import build
+
+from conftest import load_tool
 
 CSRC = Path(build.__file__).resolve().parents[1] / "csrc"
 KERNEL_FILES = sorted(p.relative_to(CSRC).as_posix() for p in CSRC.rglob("*.cu"))
@@ -97,10 +98,7 @@ PROBE_TOOLS = ("gdn_bwd_chain_probe", "gdn_bwd_cluster_probe", "gdn_bwd_fused_pr
 
 @pytest.mark.parametrize("tool", PROBE_TOOLS)
 def test_probe_tool_compiles_clean(nvcc, tool, tmp_path):
-    path = CSRC.parent / "tools" / f"{tool}.py"
-    spec = importlib.util.spec_from_file_location(tool, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_tool(tool)
     source = tmp_path / f"{tool}.cu"
     source.write_text(module.KERNEL_SRC)
     assert _compile_clean(nvcc, source, tmp_path)

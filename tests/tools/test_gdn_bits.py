@@ -2,17 +2,13 @@
 element is reported with its tensor, count and size; a shape missing from a later file
 is reported."""
 
-import importlib.util
-from pathlib import Path
-
 import torch
 
 from cake_ops.bench.shapes import Shape
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "gdn_bits.py"
-spec = importlib.util.spec_from_file_location("gdn_bits", TOOL)
-bits = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(bits)
+from conftest import load_tool
+
+bits = load_tool("gdn_bits")
 
 TINY = Shape("tiny", (70, 5), H=1, HV=2)
 

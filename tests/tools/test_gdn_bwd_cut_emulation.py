@@ -1,16 +1,11 @@
 """tools/gdn_bwd_cut_emulation.py (CPU): the reverse walk cut at a grid, exact cuts through
 M^T and truncated cuts by a backward window, against the uncut walk."""
 
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "gdn_bwd_cut_emulation.py"
+from conftest import load_tool
 
 
 def test_exact_and_truncated_cuts_give_the_uncut_gradients():
-    spec = importlib.util.spec_from_file_location("gdn_bwd_cut_emulation", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
+    tool = load_tool("gdn_bwd_cut_emulation")
     # 10 chunks in segments of 4: the cut at chunk 4 has a 4-chunk window (-0.08 x 256
     # <= -20), the cut at chunk 8 none (its segment has 2 chunks, -10.2): exact there.
     out = tool.compare(640, 4, "-0.08", 1)

@@ -1,16 +1,10 @@
 """tools/gdn_bwd_fused_emulation.py (CPU): the fused backward's schedule, emulated."""
 
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "gdn_bwd_fused_emulation.py"
+from conftest import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("gdn_bwd_fused_emulation", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("gdn_bwd_fused_emulation")
 
 
 def test_schedule_algebra_is_the_chunked_algorithm():

@@ -1,16 +1,10 @@
 """tools/gdn_bwd_tape_precision.py (CPU): the backward's tape precision, emulated."""
 
-import importlib.util
-from pathlib import Path
-
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "gdn_bwd_tape_precision.py"
+from conftest import load_tool
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("gdn_bwd_tape_precision", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("gdn_bwd_tape_precision")
 
 
 def test_fp32_tapes_are_exact_and_bf16_tapes_within_contract():

@@ -1,12 +1,9 @@
 """tools/ncu_sass_stalls.py (CPU): stall samples per source line, from an Nsight Compute
 SASS export and the line table of the kernel's cubin."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "ncu_sass_stalls.py"
+from conftest import load_tool
 
 SASS = """\
 .text._Z5otherv:
@@ -26,10 +23,7 @@ HDR = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions E
 
 
 def _tool():
-    spec = importlib.util.spec_from_file_location("ncu_sass_stalls", TOOL)
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    return tool
+    return load_tool("ncu_sass_stalls")
 
 
 def _rows(ops):

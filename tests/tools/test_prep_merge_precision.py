@@ -1,21 +1,15 @@
 """tools/prep_merge_precision.py (CPU): the emulated blocked inverse of the prep against
 fp64, the evidence for its merge precision (docs/experiments.md; csrc/gdn/fwd_prep.cu)."""
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 import torch
 
-TOOL = Path(__file__).resolve().parents[2] / "tools" / "prep_merge_precision.py"
+from conftest import load_tool
 
 
 @pytest.fixture(scope="module")
 def tool():
-    spec = importlib.util.spec_from_file_location("prep_merge_precision", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("prep_merge_precision")
 
 
 def test_round_tf32_keeps_ten_mantissa_bits_to_nearest(tool):
