@@ -63,3 +63,20 @@ def load(name: str, cpp_sources: str, cuda_sources: str, functions=("run",), ptx
         build_directory=tempfile.mkdtemp(prefix=f"{name}_"),
         verbose=False,
     )
+
+
+def time_chunks(mod, modes, chunks: int) -> None:
+    """Times a probe's kernel (``mod.run(mode, chunks, ctas)``: ns a chunk per (CTA,
+    warpgroup), one CTA on every SM) in each of ``modes`` (mode, name, the warpgroups whose
+    slowest sets a chunk's time, as a column slice) after a short warm-up, and prints that
+    time's mean and max over the CTAs and each warpgroup's mean."""
+    import torch
+
+    ctas = torch.cuda.get_device_properties(0).multi_processor_count
+    for mode, name, cols in modes:
+        mod.run(mode, 16, ctas)  # warm-up
+        ns = mod.run(mode, chunks, ctas)
+        torch.cuda.synchronize()
+        t = ns[:, cols].max(dim=1).values
+        print(f"{name:7s} {t.mean().item():8.1f} ns a chunk (max over {ctas} CTAs {t.max().item():.1f}); "
+              f"per warpgroup {', '.join(f'{x:.1f}' for x in ns.mean(dim=0).tolist())}")

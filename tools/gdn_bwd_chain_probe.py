@@ -464,26 +464,18 @@ torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas) {
 
 
 def main() -> int:
-    import torch
-    from cuda_inline import load
+    from cuda_inline import load, time_chunks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=1024)
     args = ap.parse_args()
     mod = load("cake_gdn_bwd_chain_probe", "torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas);",
                KERNEL_SRC + BINDING_SRC, ptxas_verbose=True)
-    ctas = torch.cuda.get_device_properties(0).multi_processor_count
-    for layout, name in ((0, "halves"), (1, "split"), (2, "fused"), (3, "local")):
-        mod.run(layout, 16, ctas)  # warm-up
-        ns = mod.run(layout, args.chunks, ctas)
-        torch.cuda.synchronize()
-        if layout == 3:
-            ns = ns[:, 2:]  # the local warpgroups (the chain's return at once)
-        t = ns.max(dim=1).values  # a chunk's time is its slowest warpgroup's
-        print(f"{name:7s} {t.mean().item():8.1f} ns a chunk (max over {ctas} CTAs {t.max().item():.1f}); "
-              f"per warpgroup {', '.join(f'{x:.1f}' for x in ns.mean(dim=0).tolist())}")
+    # Layout 3 runs the fused layout's local warpgroups alone (its chain's return at once).
+    everything = slice(None)
+    time_chunks(mod, ((0, "halves", everything), (1, "split", everything), (2, "fused", everything),
+                      (3, "local", slice(2, 4))), args.chunks)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -204,9 +204,7 @@ __device__ void chain(unsigned char* sm, int chunks, float& keep) {
     wgmma::fence();
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n64k16<1>(y, dof[ks], wgmma::desc_mn_major(base + kPt, 64, ks), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(y);
+    wgmma::commit_and_wait(y);
     if (kLocal && c + 1 < chunks) mma::bar_arrive(kPtFree, kPair);
     uint32_t dvf[4][4];
     wgmma::to_a_frags(dvf, y);
@@ -240,9 +238,7 @@ __device__ void chain(unsigned char* sm, int chunks, float& keep) {
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s, xk[ks], wgmma::desc_mn_major(tk, 64, ks), 1);
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(s, dof[ks], wgmma::desc_mn_major(tq, 64, ks), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(s);
+    wgmma::commit_and_wait(s);
   }
 #pragma unroll
   for (int i = 0; i < 64; ++i) keep += s[i];
@@ -261,13 +257,8 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
                    ta = base + kA + p * kSq;
     float P[32];
     zero(P);
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 8; ++ks)
-      wgmma::mma_ss_m64n64k16<0, 0>(P, wgmma::desc_k_major(tq, 64, ks), wgmma::desc_k_major(tk, 64, ks), ks > 0);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(P);
+    wgmma::mma_ss_tiles64<8, 0, 0>(P, tq, tk, false);
+    wgmma::commit_and_wait(P);
     mul_tile<4>(P, ta, warp, lane);  // stands for the decay mask D and the scale
     {
       uint32_t f[4][4];
@@ -280,13 +271,8 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
     {  // E = beta (v - e^gcum K S), then v_new = A E
       float e[32];
       zero(e);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks)
-        wgmma::mma_ss_m64n64k16<0, 0>(e, wgmma::desc_k_major(tk, 64, ks), wgmma::desc_k_major(base + kH, 64, ks), ks > 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(e);
+      wgmma::mma_ss_tiles64<8, 0, 0>(e, tk, base + kH, false);
+      wgmma::commit_and_wait(e);
       mul_tile<4>(e, base + kV, warp, lane);
       mma::scale_columns(e, vec + kVBEg, t4);
       uint32_t f[4][4];
@@ -295,13 +281,8 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
       store_frags(f, base + kVn, warp, lane);
       wgmma::fence_proxy_async();
       mma::bar_sync(kBarLQ, kOwn);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        wgmma::mma_ss_m64n64k16<0, 1>(e, wgmma::desc_k_major(ta, 64, ks), wgmma::desc_mn_major(base + kVn, 64, ks), ks > 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(e);
+      wgmma::mma_ss_tiles64<4, 0, 1>(e, ta, base + kVn, false);
+      wgmma::commit_and_wait(e);
       wgmma::to_a_frags(f, e);
       mma::bar_sync(kBarLQ, kOwn);  // every warp's E read before v_new overwrites it
       store_frags(f, base + kVn, warp, lane);
@@ -312,13 +293,8 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
     {  // dP = do v_new^T; dP o P sums; dPs
       float dp[32];
       zero(dp);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        wgmma::mma_ss_m64n64k16<0, 0>(dp, wgmma::desc_k_major(tdo, 64, ks), wgmma::desc_k_major(base + kVn, 64, ks), ks > 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(dp);
+      wgmma::mma_ss_tiles64<4, 0, 0>(dp, tdo, base + kVn, false);
+      wgmma::commit_and_wait(dp);
       float pp[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) pp[i] = dp[i] * P[i];
@@ -334,13 +310,8 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
     }
     float dq[64];  // do S^T, scaled by row; then += dPs K
     zero(dq);
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss_m64n128k16<0, 1>(dq, wgmma::desc_k_major(tdo, 64, ks), wgmma::desc_mn_major(base + kH, 64, ks), ks > 0);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(dq);
+    wgmma::mma_ss_tiles64<4, 0, 1>(dq, tdo, base + kH, false);
+    wgmma::commit_and_wait(dq);
     {
       float qd[64];
 #pragma unroll
@@ -352,13 +323,8 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
 #pragma unroll
     for (int i = 0; i < 64; ++i) dq[i] *= (i & 2) ? hi : lo;
     wgmma::fence_operands(dq);
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss_m64n128k16<0, 1>(dq, wgmma::desc_k_major(base + kDps, 64, ks), wgmma::desc_mn_major(tk, 64, ks), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(dq);
+    wgmma::mma_ss_tiles64<4, 0, 1>(dq, base + kDps, tk, true);
+    wgmma::commit_and_wait(dq);
     keep += dq[c & 63];
   }
 }
@@ -378,10 +344,7 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
     zero(dk);
     mma::bar_sync(kVnReady, kPair);
     if (kChain) mma::bar_sync(kDsReady, kPair);
-    wgmma::fence();
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss_m64n128k16<0, 1>(dk, wgmma::desc_k_major(base + kVn, 64, ks), wgmma::desc_mn_major(base + kDS, 64, ks), ks > 0);
+    wgmma::mma_ss_tiles64<4, 0, 1>(dk, base + kVn, base + kDS, false);
     wgmma::commit();
     {  // sum(dS o S) over the value half (dgl), from the two tiles, under the product
       float d[64];
@@ -411,14 +374,8 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
     for (int b = 0; b < 2; ++b) {  // dw = -dv_new S^T, one 64-key half at a time
       float w[32];
       zero(w);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        wgmma::mma_ss_m64n64k16<1, 1>(w, wgmma::desc_mn_major(base + kDvn, 64, ks),
-                                      wgmma::desc_mn_major(base + kH + 8192 * b, 64, ks), ks > 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(w);
+      wgmma::mma_ss_tiles64<4, 1, 1>(w, base + kDvn, base + kH + 8192 * b, false);
+      wgmma::commit_and_wait(w);
       uint32_t f[4][4];
       wgmma::to_a_frags(f, w);
       store_frags(f, base + kDw + 8192 * b, warp, lane);
@@ -428,13 +385,8 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
     {  // dA = dw K^T (A o dA sums, columns by e^gcum), += dv_new V^T (A o dA sums), columns by beta
       float a[32];
       zero(a);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks)
-        wgmma::mma_ss_m64n64k16<0, 0>(a, wgmma::desc_k_major(base + kDw, 64, ks), wgmma::desc_k_major(tk, 64, ks), ks > 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(a);
+      wgmma::mma_ss_tiles64<8, 0, 0>(a, base + kDw, tk, false);
+      wgmma::commit_and_wait(a);
       float t[32];
 #pragma unroll
       for (int i = 0; i < 32; ++i) t[i] = a[i];
@@ -442,13 +394,8 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
       add_row_sums(t, sums + 128, warp, gid, t4);  // stands for the column sums
       mma::scale_columns(a, vec + kVEg, t4);
       wgmma::fence_operands(a);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 4; ++ks)
-        wgmma::mma_ss_m64n64k16<1, 0>(a, wgmma::desc_mn_major(base + kDvn, 64, ks), wgmma::desc_k_major(base + kV, 64, ks), 1);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(a);
+      wgmma::mma_ss_tiles64<4, 1, 0>(a, base + kDvn, base + kV, true);
+      wgmma::commit_and_wait(a);
       if (kChain && c + 1 < chunks) mma::bar_arrive(kDvnFree, kPair);
 #pragma unroll
       for (int i = 0; i < 32; ++i) t[i] = a[i];
@@ -469,9 +416,7 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
       wgmma::fence();
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) wgmma::mma_rs_m64n128k16<1>(dk, at[ks], wgmma::desc_mn_major(base + kDw, 64, ks), 1);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(dk);
+      wgmma::commit_and_wait(dk);
     }
     mma::bar_sync(kBarLK, kOwn);  // dA stored
     float dl[32];  // dL = -(A^T dA) A^T, TF32: warp rows 16 warp .., 8 n-tiles
@@ -527,13 +472,8 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
     {  // K K^T: dL o D o kk sums; dkk
       float kk[32];
       zero(kk);
-      wgmma::fence();
-#pragma unroll
-      for (int ks = 0; ks < 8; ++ks)
-        wgmma::mma_ss_m64n64k16<0, 0>(kk, wgmma::desc_k_major(tk, 64, ks), wgmma::desc_k_major(tk, 64, ks), ks > 0);
-      wgmma::commit();
-      wgmma::wait<0>();
-      wgmma::fence_operands(kk);
+      wgmma::mma_ss_tiles64<8, 0, 0>(kk, tk, tk, false);
+      wgmma::commit_and_wait(kk);
 #pragma unroll
       for (int i = 0; i < 32; ++i) kk[i] *= dl[i];
       add_row_sums(kk, sums + 320, warp, gid, t4);
@@ -545,19 +485,11 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
       mma::bar_sync(kBarLK, kOwn);
     }
     mma::bar_sync(kDpsReady, kPair);
-    wgmma::fence();  // dk += dPs^T Q + dkk K + dkk^T K
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss_m64n128k16<1, 1>(dk, wgmma::desc_mn_major(base + kDps, 64, ks), wgmma::desc_mn_major(tq, 64, ks), 1);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss_m64n128k16<0, 1>(dk, wgmma::desc_k_major(base + kDkk, 64, ks), wgmma::desc_mn_major(tk, 64, ks), 1);
-#pragma unroll
-    for (int ks = 0; ks < 4; ++ks)
-      wgmma::mma_ss_m64n128k16<1, 1>(dk, wgmma::desc_mn_major(base + kDkk, 64, ks), wgmma::desc_mn_major(tk, 64, ks), 1);
-    wgmma::commit();
-    wgmma::wait<0>();
-    wgmma::fence_operands(dk);
+    // dk += dPs^T Q + dkk K + dkk^T K
+    wgmma::mma_ss_tiles64<4, 1, 1>(dk, base + kDps, tq, true);
+    wgmma::mma_ss_tiles64<4, 0, 1>(dk, base + kDkk, tk, true);
+    wgmma::mma_ss_tiles64<4, 1, 1>(dk, base + kDkk, tk, true);
+    wgmma::commit_and_wait(dk);
     if (c + 1 < chunks) mma::bar_arrive(kDpsFree, kPair);
     mma::bar_sync(kBarLK, kOwn);  // the dkk tile and dA region read before the next chunk writes them
     keep += dk[c & 63];
@@ -652,25 +584,16 @@ def mflop(role: str) -> float:
 
 
 def main() -> int:
-    import torch
-    from cuda_inline import load
+    from cuda_inline import load, time_chunks
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--chunks", type=int, default=1024)
     args = ap.parse_args()
     mod = load("cake_gdn_bwd_fused_probe", "torch::Tensor run(int64_t mode, int64_t chunks, int64_t ctas);",
                KERNEL_SRC + BINDING_SRC, ptxas_verbose=True)
-    ctas = torch.cuda.get_device_properties(0).multi_processor_count
     print("MFLOP a chunk per CTA: " + ", ".join(f"{r} {mflop(r):.2f}" for r in PRODUCTS))
-    for mode, name, cols in ((0, "fused", slice(1, 4)), (1, "chain", slice(1, 2)), (2, "local", slice(2, 4))):
-        mod.run(mode, 16, ctas)  # warm-up
-        ns = mod.run(mode, args.chunks, ctas)
-        torch.cuda.synchronize()
-        t = ns[:, cols].max(dim=1).values  # a chunk's time is its slowest warpgroup's
-        print(f"{name:6s} {t.mean().item():8.1f} ns a chunk (max over {ctas} CTAs {t.max().item():.1f}); "
-              f"per warpgroup {', '.join(f'{x:.1f}' for x in ns.mean(dim=0).tolist())}")
+    time_chunks(mod, ((0, "fused", slice(1, 4)), (1, "chain", slice(1, 2)), (2, "local", slice(2, 4))), args.chunks)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -175,4 +175,30 @@ __device__ __forceinline__ void mma_ss_m64n128k16(float (&d)[64], uint64_t a, ui
       : "l"(a), "l"(b), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
 
+// d (+)= A B over kSteps k16 steps from two SW128 tiles of 64 rows at a and b: A K-major
+// (its 64 M rows) or, kTransA, MN-major (64 K rows); B K-major (its 64 N rows) or,
+// kTransB, MN-major (64 K rows; N = 64, or 128 in two column blocks). accumulate = false:
+// the first step overwrites d (whose registers the asm still reads: zero them first).
+// Fences and issues; the caller commits.
+template <int kSteps, int kTransA, int kTransB, int N>
+__device__ __forceinline__ void mma_ss_tiles64(float (&d)[N], uint32_t a, uint32_t b, bool accumulate) {
+  static_assert(N == 32 || (N == 64 && kTransB), "m64n64, or m64n128 with B MN-major");
+  fence();
+#pragma unroll
+  for (int ks = 0; ks < kSteps; ++ks) {
+    const uint64_t da = kTransA ? desc_mn_major(a, 64, ks) : desc_k_major(a, 64, ks);
+    const uint64_t db = kTransB ? desc_mn_major(b, 64, ks) : desc_k_major(b, 64, ks);
+    if constexpr (N == 32) mma_ss_m64n64k16<kTransA, kTransB>(d, da, db, accumulate || ks > 0);
+    else mma_ss_m64n128k16<kTransA, kTransB>(d, da, db, accumulate || ks > 0);
+  }
+}
+
+// Commits the issued products and waits for all of them: d may be read.
+template <int N>
+__device__ __forceinline__ void commit_and_wait(float (&d)[N]) {
+  commit();
+  wait<0>();
+  fence_operands(d);
+}
+
 }  // namespace cake::wgmma
