@@ -168,6 +168,25 @@ __device__ __forceinline__ void mul_tile(float (&d)[8 * kSteps], uint32_t tile, 
   }
 }
 
+// Row sums of d o tile (a copy of d: d itself is kept), added to a slot per row.
+template <int kSteps>
+__device__ __forceinline__ void add_row_dots(const float (&d)[8 * kSteps], uint32_t tile, float* slot, int warp,
+                                             int lane) {
+  float t[8 * kSteps];
+#pragma unroll
+  for (int i = 0; i < 8 * kSteps; ++i) t[i] = d[i];
+  mul_tile<kSteps>(t, tile, warp, lane);
+  add_row_sums(t, slot, warp, lane >> 2, lane & 3);
+}
+
+// Rows 16 warp + gid (+ 8) of an accumulator times per-row factors f.
+template <int N>
+__device__ __forceinline__ void scale_rows(float (&d)[N], const float* f, int warp, int gid) {
+  const float lo = f[16 * warp + gid], hi = f[16 * warp + gid + 8];
+#pragma unroll
+  for (int i = 0; i < N; ++i) d[i] *= (i & 2) ? hi : lo;
+}
+
 template <int kN>
 __device__ __forceinline__ void zero(float (&d)[kN]) {
 #pragma unroll
@@ -312,16 +331,8 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
     zero(dq);
     wgmma::mma_ss_tiles64<4, 0, 1>(dq, tdo, base + kH, false);
     wgmma::commit_and_wait(dq);
-    {
-      float qd[64];
-#pragma unroll
-      for (int i = 0; i < 64; ++i) qd[i] = dq[i];
-      mul_tile<8>(qd, tq, warp, lane);
-      add_row_sums(qd, sums + 64, warp, gid, t4);
-    }
-    const float lo = vec[kVOutq + 16 * warp + gid], hi = vec[kVOutq + 16 * warp + gid + 8];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) dq[i] *= (i & 2) ? hi : lo;
+    add_row_dots<8>(dq, tq, sums + 64, warp, lane);
+    scale_rows(dq, vec + kVOutq, warp, gid);
     wgmma::fence_operands(dq);
     wgmma::mma_ss_tiles64<4, 0, 1>(dq, base + kDps, tk, true);
     wgmma::commit_and_wait(dq);
@@ -358,16 +369,8 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
     wgmma::fence_operands(dk);
     if (kChain && c + 1 < chunks) mma::bar_arrive(kDsFree, kPair);
     if (c + 1 < chunks) mma::bar_arrive(kVnFree, kPair);
-    {
-      float kd[64];
-#pragma unroll
-      for (int i = 0; i < 64; ++i) kd[i] = dk[i];
-      mul_tile<8>(kd, tk, warp, lane);
-      add_row_sums(kd, sums + 192, warp, gid, t4);
-    }
-    const float dlo = vec[kVDte + 16 * warp + gid], dhi = vec[kVDte + 16 * warp + gid + 8];
-#pragma unroll
-    for (int i = 0; i < 64; ++i) dk[i] *= (i & 2) ? dhi : dlo;
+    add_row_dots<8>(dk, tk, sums + 192, warp, lane);
+    scale_rows(dk, vec + kVDte, warp, gid);
     wgmma::fence_operands(dk);
     if (kChain) mma::bar_sync(kDvnReady, kPair);
 #pragma unroll 1
@@ -387,20 +390,13 @@ __device__ void local_k(unsigned char* sm, int chunks, float& keep) {
       zero(a);
       wgmma::mma_ss_tiles64<8, 0, 0>(a, base + kDw, tk, false);
       wgmma::commit_and_wait(a);
-      float t[32];
-#pragma unroll
-      for (int i = 0; i < 32; ++i) t[i] = a[i];
-      mul_tile<4>(t, ta, warp, lane);
-      add_row_sums(t, sums + 128, warp, gid, t4);  // stands for the column sums
+      add_row_dots<4>(a, ta, sums + 128, warp, lane);  // stands for the column sums
       mma::scale_columns(a, vec + kVEg, t4);
       wgmma::fence_operands(a);
       wgmma::mma_ss_tiles64<4, 1, 0>(a, base + kDvn, base + kV, true);
       wgmma::commit_and_wait(a);
       if (kChain && c + 1 < chunks) mma::bar_arrive(kDvnFree, kPair);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) t[i] = a[i];
-      mul_tile<4>(t, ta, warp, lane);
-      add_row_sums(t, sums + 320, warp, gid, t4);
+      add_row_dots<4>(a, ta, sums + 320, warp, lane);
       mma::scale_columns(a, vec + kVBeta, t4);
 #pragma unroll
       for (int jt = 0; jt < 8; ++jt) {  // the fp32 dA tile for the TF32 products
