@@ -1,6 +1,6 @@
 """Builds a tool's inline CUDA source against csrc/ for the H200 (sm_90a), the one way the
 GPU probes and checks in tools/ compile (torch.utils.cpp_extension.load_inline); and the
-device helpers the probes share (PROBE_HELPERS, after their includes)."""
+device code the probes share (PROBE_PRELUDE: their includes and helpers)."""
 
 from __future__ import annotations
 
@@ -9,10 +9,18 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Device code the probes' kernels share (namespace probe; needs common/mma_sm80.cuh and
-# common/swizzle.cuh): the global timer, and a warpgroup's bf16 fragments to and from
-# 64-row SW128 tiles.
-PROBE_HELPERS = r"""
+# The start of every probe's kernel source (namespace probe): the includes (no torch
+# header, so that `nvcc -cubin` checks it on a machine without a GPU), the global timer,
+# and a warpgroup's bf16 fragments to and from 64-row SW128 tiles.
+PROBE_PRELUDE = r"""
+#include <cstdint>
+
+#include <cuda_bf16.h>
+
+#include "common/mma_sm80.cuh"
+#include "common/swizzle.cuh"
+#include "common/wgmma_sm90.cuh"
+
 namespace probe {
 
 __device__ __forceinline__ uint64_t now_ns() {

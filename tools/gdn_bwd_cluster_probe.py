@@ -27,18 +27,9 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from cuda_inline import PROBE_HELPERS  # noqa: E402
+from cuda_inline import PROBE_PRELUDE  # noqa: E402
 
-# The kernel, with no torch header, so that `nvcc -cubin` checks it on a machine without a GPU.
-KERNEL_SRC = r"""
-#include <cstdint>
-
-#include <cuda_bf16.h>
-
-#include "common/mma_sm80.cuh"
-#include "common/swizzle.cuh"
-
-""" + PROBE_HELPERS + r"""
+KERNEL_SRC = PROBE_PRELUDE + r"""
 namespace probe {
 
 using namespace cake;
