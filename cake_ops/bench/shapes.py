@@ -71,7 +71,8 @@ QUICK_SHAPES = {
         Shape("q_single", (128,), 1, 2),
     )
 }
-# Context parallel's target shape (issue 20), for --cp only: two documents of 128k tokens.
+
+
 def shape_names(text: str) -> list[str]:
     """A tool's ``--shapes``: comma-separated names of the benchmark's shapes (``SHAPES``),
     checked before any GPU work; ValueError naming the unknown ones."""
@@ -82,6 +83,7 @@ def shape_names(text: str) -> list[str]:
     return names
 
 
+# Context parallel's target shape (issue 20), for --cp only: two documents of 128k tokens.
 KCP_SHAPES = {s.name: s for s in (Shape("s256k_2docs_h16", (131072, 131072), 16, 48),
                                    Shape("s256k_1doc_h16", (262144,), 16, 48))}
 ACCURACY_SHAPE = Shape("accuracy", (100, 64, 37), 2, 6)
