@@ -88,3 +88,16 @@ def time_chunks(mod, modes, chunks: int) -> None:
         t = ns[:, cols].max(dim=1).values
         print(f"{name:7s} {t.mean().item():8.1f} ns a chunk (max over {ctas} CTAs {t.max().item():.1f}); "
               f"per warpgroup {', '.join(f'{x:.1f}' for x in ns.mean(dim=0).tolist())}")
+
+
+def chunk_probe_main(description: str, name: str, signature: str, source: str, modes) -> int:
+    """A chunk probe's command line (``--chunks``): builds its module (``run(mode, chunks,
+    ctas)``, registers and spills printed) and times ``modes`` as time_chunks does."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--chunks", type=int, default=1024)
+    args = ap.parse_args()
+    mod = load(name, signature, source, ptxas_verbose=True)
+    time_chunks(mod, modes, args.chunks)
+    return 0

@@ -40,7 +40,6 @@ shapes and dependencies are the chain's.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -454,18 +453,14 @@ torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas) {
 
 
 def main() -> int:
-    from cuda_inline import load, time_chunks
+    from cuda_inline import chunk_probe_main
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--chunks", type=int, default=1024)
-    args = ap.parse_args()
-    mod = load("cake_gdn_bwd_chain_probe", "torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas);",
-               KERNEL_SRC + BINDING_SRC, ptxas_verbose=True)
     # Layout 3 runs the fused layout's local warpgroups alone (its chain's return at once).
     everything = slice(None)
-    time_chunks(mod, ((0, "halves", everything), (1, "split", everything), (2, "fused", everything),
-                      (3, "local", slice(2, 4))), args.chunks)
-    return 0
+    return chunk_probe_main(__doc__.split("\n\n")[0], "cake_gdn_bwd_chain_probe",
+                            "torch::Tensor run(int64_t layout, int64_t chunks, int64_t ctas);", KERNEL_SRC + BINDING_SRC,
+                            ((0, "halves", everything), (1, "split", everything), (2, "fused", everything),
+                             (3, "local", slice(2, 4))))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -37,7 +37,6 @@ probe, tools/gdn_bwd_cluster_probe.py, timed that staging), the global stores.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -570,16 +569,12 @@ def mflop(role: str) -> float:
 
 
 def main() -> int:
-    from cuda_inline import load, time_chunks
+    from cuda_inline import chunk_probe_main
 
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--chunks", type=int, default=1024)
-    args = ap.parse_args()
-    mod = load("cake_gdn_bwd_fused_probe", "torch::Tensor run(int64_t mode, int64_t chunks, int64_t ctas);",
-               KERNEL_SRC + BINDING_SRC, ptxas_verbose=True)
     print("MFLOP a chunk per CTA: " + ", ".join(f"{r} {mflop(r):.2f}" for r in PRODUCTS))
-    time_chunks(mod, ((0, "fused", slice(1, 4)), (1, "chain", slice(1, 2)), (2, "local", slice(2, 4))), args.chunks)
-    return 0
+    return chunk_probe_main(__doc__.split("\n\n")[0], "cake_gdn_bwd_fused_probe",
+                            "torch::Tensor run(int64_t mode, int64_t chunks, int64_t ctas);", KERNEL_SRC + BINDING_SRC,
+                            ((0, "fused", slice(1, 4)), (1, "chain", slice(1, 2)), (2, "local", slice(2, 4))))
 
 if __name__ == "__main__":
     sys.exit(main())
