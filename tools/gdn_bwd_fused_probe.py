@@ -119,6 +119,18 @@ __device__ __forceinline__ void store_frags_trans(const uint32_t (&f)[4][4], uin
     mma::stmatrix_x4_trans(tile + sw128_offset(64, 16 * ks + (mi >> 1) * 8 + r8, 2 * warp + (mi & 1)), f[ks]);
 }
 
+// A hand-over tile (the pair's named barriers): from chunk 1 on, once its reader has freed the
+// last chunk's, the warpgroup's fragments stored, made visible to the async proxy and
+// signalled ready. `paired`: the reader's warpgroup runs in this form of the probe.
+template <int kSteps>
+__device__ __forceinline__ void hand_over(const uint32_t (&f)[kSteps][4], uint32_t tile, int free_bar, int ready_bar,
+                                          bool paired, int c, int warp, int lane) {
+  if (paired && c > 0) mma::bar_sync(free_bar, kPair);
+  store_frags(f, tile, warp, lane);
+  wgmma::fence_proxy_async();
+  if (paired) mma::bar_arrive(ready_bar, kPair);
+}
+
 // Row sums of an accumulator of N columns (4-lane shuffle tree), added to a slot per row.
 template <int N>
 __device__ __forceinline__ void add_row_sums(const float (&d)[N], float* slot, int warp, int gid, int t4) {
@@ -196,10 +208,7 @@ __device__ void chain(unsigned char* sm, int chunks, float& keep) {
                    ta = base + kA + p * kSq;
     uint32_t f[8][4];
     wgmma::to_a_frags(f, s);
-    if (kLocal && c > 0) mma::bar_sync(kDsFree, kPair);
-    store_frags(f, base + kDS, warp, lane);
-    wgmma::fence_proxy_async();
-    if (kLocal) mma::bar_arrive(kDsReady, kPair);
+    hand_over(f, base + kDS, kDsFree, kDsReady, kLocal, c, warp, lane);
     float y[32];
     wgmma::mma_rs_m64n64_fresh<0>(y, f, tk);  // Y = dS^T K^T
     wgmma::commit();
@@ -216,10 +225,7 @@ __device__ void chain(unsigned char* sm, int chunks, float& keep) {
     if (kLocal && c + 1 < chunks) mma::bar_arrive(kPtFree, kPair);
     uint32_t dvf[4][4];
     wgmma::to_a_frags(dvf, y);
-    if (kLocal && c > 0) mma::bar_sync(kDvnFree, kPair);
-    store_frags(dvf, base + kDvn, warp, lane);
-    wgmma::fence_proxy_async();
-    if (kLocal) mma::bar_arrive(kDvnReady, kPair);
+    hand_over(dvf, base + kDvn, kDvnFree, kDvnReady, kLocal, c, warp, lane);
     float x[32];
     wgmma::mma_rs_m64n64_fresh<1>(x, dvf, ta);  // X = dv_new^T A
     wgmma::commit();
@@ -271,10 +277,7 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
     {
       uint32_t f[4][4];
       wgmma::to_a_frags(f, P);
-      if (kChain && c > 0) mma::bar_sync(kPtFree, kPair);
-      store_frags(f, base + kPt, warp, lane);
-      wgmma::fence_proxy_async();
-      if (kChain) mma::bar_arrive(kPtReady, kPair);
+      hand_over(f, base + kPt, kPtFree, kPtReady, kChain, c, warp, lane);
     }
     {  // E = beta (v - e^gcum K S), then v_new = A E
       float e[32];
@@ -310,10 +313,7 @@ __device__ void local_q(unsigned char* sm, int chunks, float& keep) {
       mul_tile<4>(dp, ta, warp, lane);  // stands for scale D
       uint32_t f[4][4];
       wgmma::to_a_frags(f, dp);
-      if (c > 0) mma::bar_sync(kDpsFree, kPair);
-      store_frags(f, base + kDps, warp, lane);
-      wgmma::fence_proxy_async();
-      mma::bar_arrive(kDpsReady, kPair);
+      hand_over(f, base + kDps, kDpsFree, kDpsReady, true, c, warp, lane);
       mma::bar_sync(kBarLQ, kOwn);
     }
     float dq[64];  // do S^T, scaled by row; then += dPs K
