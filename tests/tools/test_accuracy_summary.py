@@ -28,7 +28,10 @@ PROBE = """
 
 def summary_lines(tmp_path: Path, *args: str) -> list[str]:
     (tmp_path / "test_probe.py").write_text(textwrap.dedent(PROBE))
-    env = dict(os.environ, PYTHONPATH=str(TESTS))
+    # Without this run's own xdist variables: under `pytest -n`, the worker running this test
+    # would otherwise hand its PYTEST_XDIST_WORKER to the probe's single process.
+    env = {name: value for name, value in os.environ.items() if not name.startswith("PYTEST_XDIST")}
+    env["PYTHONPATH"] = str(TESTS)
     # tests/conftest.py as a plugin: the probe lives outside tests/, so nothing else is collected.
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-p", "no:cacheprovider", *args,
                            "test_probe.py"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
