@@ -6,7 +6,7 @@ the log2 inverse row norms of ``pytorch_gdn.prepare``): the dS tape (transposed)
 used chunk slots, dv_new ([T, HV, 128], dv's layout: every token's row), dh0; under
 NaN-poisoned allocation, so an unwritten element shows. Plus bitwise repeatability, a
 document alone = the same document packed with others (bitwise), and argument checks.
-Every test is marked ``gpu`` and skipped without a GPU.
+Every test but the CPU check of its setup is marked ``gpu`` and skipped without a GPU.
 """
 
 import math
@@ -21,8 +21,6 @@ from cake_ops.varlen import from_chunks, to_chunks
 
 from cases import GdnCase
 from conftest import record_accuracy
-
-pytestmark = pytest.mark.gpu
 
 C = 64
 EDGES = (0, 1, 63, 64, 65, 0)  # empty, single token, ragged, exact, one over; empty last
@@ -126,6 +124,7 @@ def check_against_reference(out, w, label):
     assert not failures, f"{label}: " + "; ".join(failures)
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("splits", [1, 2], ids=["whole", "split"])
 @pytest.mark.parametrize("case,dht", CASES, ids=IDS)
 def test_bwd_walk_matches_pytorch(ops, case, dht, splits):
@@ -136,6 +135,7 @@ def test_bwd_walk_matches_pytorch(ops, case, dht, splits):
     check_against_reference(out, w, f"{case.id}, value_splits={splits}")
 
 
+@pytest.mark.gpu
 def test_bwd_walk_value_splits_same_bits(ops):
     """Value columns never mix: a column's result is the same instructions on either CTA."""
     case = GdnCase("pack_h2_g3_slow_l2", PACK, H=2, G=3, gate="slow", l2norm=True)
@@ -146,6 +146,7 @@ def test_bwd_walk_value_splits_same_bits(ops):
     assert torch.equal(whole[1], split[1]) and torch.equal(whole[2], split[2])
 
 
+@pytest.mark.gpu
 def test_bwd_walk_scale(ops):
     """A scale other than K^-0.5 (it enters P and the output's state term)."""
     case = GdnCase("pack_scale", PACK, H=2, G=2, l2norm=True)
@@ -155,6 +156,7 @@ def test_bwd_walk_scale(ops):
     check_against_reference(out, w, case.id)
 
 
+@pytest.mark.gpu
 def test_bwd_walk_empty_documents_only(ops):
     """T = 0: every CTA writes dh0 = dht (and zeros without dht), no tape."""
     q = torch.zeros(0, 1, 128, dtype=torch.bfloat16, device="cuda")
@@ -172,6 +174,7 @@ def test_bwd_walk_empty_documents_only(ops):
     assert torch.equal(dh0_zero, torch.zeros_like(dh0_zero))
 
 
+@pytest.mark.gpu
 def test_bwd_walk_bitwise_repeatable(ops):
     case = GdnCase("pack_g3_strong_extreme_l2", PACK, G=3, gate="strong", beta="extreme", l2norm=True)
     w = walk_inputs(case, True)
@@ -184,6 +187,7 @@ def test_bwd_walk_bitwise_repeatable(ops):
         assert torch.equal(first[2], again[2])
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_bwd_walk_alone_equals_packed(ops, l2norm):
     """A document walked alone (its rows, its slots of the same prep tensors) gives the
@@ -217,6 +221,7 @@ def test_bwd_walk_alone_equals_packed(ops, l2norm):
         assert torch.equal(dh0[0], packed[2][n]), f"document {n}: dh0"
 
 
+@pytest.mark.gpu
 def test_bwd_walk_rejects_bad_arguments(ops):
     case = GdnCase("edges_g2", EDGES, G=2)
     w = walk_inputs(case, True)
