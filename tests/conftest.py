@@ -26,6 +26,22 @@ def load_tool(name: str):
     return module
 
 
+def kernel_ops():
+    """``torch.ops.cake_cuda`` for the tests of the kernels themselves: skipped where the GPU
+    is not a Hopper one (the kernels are sm_90a), failed where it is and they cannot be
+    built (a missing nvcc or ninja is the machine's set-up to fix, not a kernel suite to
+    report as skipped)."""
+    from cake_ops import build
+
+    reason = build.unavailable_reason()
+    if reason is None:
+        return build.load()
+    hopper = HAS_CUDA and all(torch.cuda.get_device_capability(i) == (9, 0) for i in range(torch.cuda.device_count()))
+    if hopper:
+        pytest.fail(f"a Hopper GPU is visible but the CUDA kernels cannot be used: {reason}")
+    pytest.skip(reason)
+
+
 def device_assert_output(setup: str, call: str) -> str:
     """Runs ``setup`` and then ``call`` (Python lines, with torch, cake_ops and
     cake_ops.testing.make_gdn_inputs imported) in a fresh process from the repository

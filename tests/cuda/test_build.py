@@ -342,6 +342,23 @@ def test_load_without_gpu_says_why():
         build.load()
 
 
+@pytest.mark.parametrize("capability,outcome", [((9, 0), "fail"), ((8, 0), "skip")], ids=["hopper", "ampere"])
+def test_kernel_suites_fail_on_hopper_when_the_kernels_cannot_be_built(monkeypatch, capability, outcome):
+    """conftest.kernel_ops: a Hopper GPU without nvcc or ninja fails the kernel suites
+    instead of reporting them skipped; another GPU skips them."""
+    import conftest
+    import torch
+
+    monkeypatch.setattr(build, "unavailable_reason", lambda: "nvcc was not found")
+    monkeypatch.setattr(conftest, "HAS_CUDA", True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: capability)
+    # Both outcomes caught, then told apart: an uncaught skip would report this test skipped.
+    with pytest.raises((pytest.fail.Exception, pytest.skip.Exception), match="nvcc was not found") as raised:
+        conftest.kernel_ops()
+    assert raised.type is (pytest.fail.Exception if outcome == "fail" else pytest.skip.Exception)
+
+
 # ---------------------------------------------------------------- bindings (GPU)
 
 

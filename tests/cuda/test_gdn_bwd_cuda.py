@@ -13,12 +13,12 @@ import pytest
 import torch
 
 import cake_ops
-from cake_ops import build, dispatch
+from cake_ops import dispatch
 from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, poisoned_allocations
 
 from cases import GdnCase, params
-from conftest import device_assert_output, record_accuracy
+from conftest import device_assert_output, kernel_ops, record_accuracy
 from green_contexts import on_green_context, slowdown_on
 
 pytestmark = pytest.mark.gpu
@@ -43,9 +43,7 @@ GRADS = ("dq", "dk", "dv", "dg", "dbeta", "dh0")
 
 @pytest.fixture(scope="module")
 def ops():
-    if not build.available():
-        pytest.skip(build.unavailable_reason())
-    return build.load()
+    return kernel_ops()
 
 
 def _grad_inputs(inp, seed):

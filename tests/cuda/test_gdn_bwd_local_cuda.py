@@ -15,13 +15,12 @@ import math
 import pytest
 import torch
 
-from cake_ops import build
 from cake_ops.pytorch import gdn as pytorch_gdn
 from cake_ops.testing import accuracy, poisoned_allocations
 from cake_ops.varlen import from_chunks
 
 from cases import GdnCase, params
-from conftest import record_accuracy
+from conftest import kernel_ops, record_accuracy
 
 pytestmark = pytest.mark.gpu
 
@@ -48,9 +47,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def ops():
-    if not build.available():
-        pytest.skip(build.unavailable_reason())
-    return build.load()
+    return kernel_ops()
 
 
 def _bf(x):

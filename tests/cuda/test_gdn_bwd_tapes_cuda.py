@@ -15,13 +15,12 @@ the tapes are bf16 and the walk's products take bf16 operands.
 import pytest
 import torch
 
-from cake_ops import build
 from cake_ops.pytorch import gdn as pytorch_gdn
 from cake_ops.testing import accuracy, poisoned_allocations
 from cake_ops.varlen import to_chunks
 
 from cases import GdnCase
-from conftest import record_accuracy
+from conftest import kernel_ops, record_accuracy
 
 pytestmark = pytest.mark.gpu
 
@@ -53,9 +52,7 @@ SEGMENT_CASES = [
 
 @pytest.fixture(scope="module")
 def ops():
-    if not build.available():
-        pytest.skip(build.unavailable_reason())
-    return build.load()
+    return kernel_ops()
 
 
 def _call(ops, inp, l2, deterministic=True, segment_chunks=-1, value_splits=-1):

@@ -14,13 +14,12 @@ import math
 import pytest
 import torch
 
-from cake_ops import build
 from cake_ops.pytorch import gdn as pytorch_gdn
 from cake_ops.testing import accuracy, poisoned_allocations
 from cake_ops.varlen import from_chunks, to_chunks
 
 from cases import GdnCase
-from conftest import record_accuracy
+from conftest import kernel_ops, record_accuracy
 
 C = 64
 EDGES = (0, 1, 63, 64, 65, 0)  # empty, single token, ragged, exact, one over; empty last
@@ -45,9 +44,7 @@ IDS = [c.id for c, _ in CASES]
 
 @pytest.fixture(scope="module")
 def ops():
-    if not build.available():
-        pytest.skip(build.unavailable_reason())
-    return build.load()
+    return kernel_ops()
 
 
 def walk_inputs(case: GdnCase, dht: bool, device="cuda", seed=0, scale=128**-0.5) -> dict:

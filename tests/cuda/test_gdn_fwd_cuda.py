@@ -12,14 +12,14 @@ import pytest
 import torch
 
 import cake_ops
-from cake_ops import build, dispatch
+from cake_ops import dispatch
 from cake_ops.pytorch import gdn as pytorch_gdn
 from cake_ops.reference import gdn_reference
 from cake_ops.testing import accuracy, make_gdn_inputs, poisoned_allocations
 
 from cases import GdnCase
 from green_contexts import on_green_context, timed
-from conftest import device_assert_output, record_accuracy
+from conftest import device_assert_output, kernel_ops, record_accuracy
 
 pytestmark = pytest.mark.gpu
 
@@ -41,9 +41,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def ops():
-    if not build.available():
-        pytest.skip(build.unavailable_reason())
-    return build.load()
+    return kernel_ops()
 
 
 def _inputs(case: GdnCase, seed=0):
