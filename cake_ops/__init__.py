@@ -1,9 +1,12 @@
 """cake-ops: Gated DeltaNet training ops for PyTorch.
 
-Every stage is a ``torch.library`` op in the ``cake::`` namespace (``cake::gdn_fwd``,
-``cake::gdn_bwd``, ``cake::short_conv_fwd``, ``cake::short_conv_bwd``) with a fake kernel
-and an autograd formula, so eager, ``torch.compile(fullgraph=True)``, CUDA-graph capture
-and non-reentrant checkpointing all see single traceable ops.
+Every stage is a ``torch.library`` op in the ``cake::`` namespace with a fake kernel and
+an autograd formula, so eager, ``torch.compile(fullgraph=True)``, CUDA-graph capture and
+non-reentrant checkpointing all see single traceable ops: ``cake::gdn_fwd`` and
+``cake::gdn_fwd_full`` (the forward, the second keeping its tapes), ``cake::gdn_bwd``,
+``cake::gdn_fwd_final_state`` and ``cake::gdn_bwd_initial_state`` (the end states alone),
+``cake::gdn_state_chain`` and ``cake::gdn_state_grad_chain`` (the chains on given
+summaries, for KCP), ``cake::short_conv_fwd`` and ``cake::short_conv_bwd``.
 
 Where things are: the ops and user functions in ``cake_ops.ops`` (one module per op
 family), their PyTorch implementations in ``cake_ops.pytorch``, which implementation

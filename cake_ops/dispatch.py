@@ -4,8 +4,10 @@ Each ``*_cuda_refusal`` function answers for one op and direction whether its CU
 kernel takes a call: ``None`` when it does, else the reason (a sentence), and the op
 then runs its PyTorch implementation on the same device. The CUDA bindings
 (``csrc/<family>/binding.cpp``) check the same conditions with ``TORCH_CHECK``, so a
-call that reaches a kernel is one this rule accepted; ``tests/cuda`` holds each
-condition against the binding.
+call that reaches a kernel is one this rule accepted. ``tests/op`` holds each rule
+condition by condition; ``tests/cuda`` holds the forward's conditions against the
+binding (``test_gdn_fwd_cuda.py::test_dispatch_rule_and_binding_agree``) and runs the
+backward's refused calls.
 
 ``pytorch_implementation()`` forces the PyTorch implementation of every ``cake::`` op
 on every device (for comparisons against the kernels).
@@ -83,6 +85,19 @@ def gdn_bwd_cuda_refusal(do, dht, q, k, v, g, beta, cu_seqlens, scale: float) ->
         return f"the CUDA backward takes the gradient of o in bf16 (o's dtype), got {do.dtype}"
     if dht is not None and dht.dtype != torch.float32:
         return f"the CUDA backward takes the gradient of the final state in fp32, got {dht.dtype}"
+    return None
+
+
+def gdn_state_chain_cuda_refusal(state) -> str | None:
+    """None when the CUDA chain kernels take a ``cake::gdn_state_chain`` or
+    ``gdn_state_grad_chain`` call (operands validated by ``checks.check_state_chain``:
+    fp32, one device), else why not: the GDN kernels' head dim, K = V = 128."""
+    why = _kernels_unavailable()
+    if why is not None:
+        return why
+    K, V = state.shape[-2], state.shape[-1]
+    if (K, V) != (GDN_CUDA_HEAD_DIM, GDN_CUDA_HEAD_DIM):
+        return f"the CUDA chain kernels take states of K = V = {GDN_CUDA_HEAD_DIM}, got K = {K}, V = {V}"
     return None
 
 

@@ -234,7 +234,7 @@ def gdn_fwd_full(
 
 
 def _gdn_fwd_full_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
-                          graph=False, segment_chunks=-1, doc_flags=None):
+                          segment_chunks=-1, doc_flags=None):
     o, final_state = _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm,
                                       deterministic, segment_chunks=segment_chunks, doc_flags=doc_flags)
     return o, final_state, q.new_empty(0, dtype=torch.uint8)  # no tapes: its backward recomputes
@@ -262,7 +262,7 @@ def _gdn_fwd_full_cuda(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_q
                                            effective_deterministic(deterministic), segment_chunks, -1, doc_flags))
 
 
-def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
+def _gdn_fwd_pytorch(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic,
                      segment_chunks=-1, doc_flags=None):
     T = check_gdn(q, k, v, g, beta, cu_seqlens, initial_state)[0]
     check_scale(scale)
@@ -558,10 +558,10 @@ def _gdn_state_chain_pytorch(E, M, S_start, seg_cu):
 
 
 def _state_chain_cuda(name, pytorch_fn, values, transfers, state, seg_cu):
-    """A chain op on CUDA tensors: the extension's chain kernel for K = V = 128 (the
-    kernels' head dim), else the PyTorch path."""
+    """A chain op on CUDA tensors: the extension's chain kernel where the dispatch rule
+    takes the call (``dispatch.gdn_state_chain_cuda_refusal``), else the PyTorch path."""
     check_state_chain(values, transfers, state, seg_cu)
-    if state.shape[-1] != dispatch.GDN_CUDA_HEAD_DIM or state.shape[-2] != dispatch.GDN_CUDA_HEAD_DIM:
+    if dispatch.gdn_state_chain_cuda_refusal(state) is not None:
         return pytorch_fn(values, transfers, state, seg_cu)
     from .. import build
 

@@ -512,7 +512,8 @@ def test_full_reset_gate(ops):
 def test_op_dispatches_its_backward_to_cuda(ops, case, save_mode):
     """cake_ops.gdn's autograd runs the CUDA backward for a call the rule takes, with an
     initial state or without, in either save mode (every gradient, dh0 included, bitwise
-    the binding's light backward), and the PyTorch one for a call it refuses (fp16 here)."""
+    the binding's light backward); and the rule refuses an fp16 call (whose autograd runs
+    the PyTorch backward)."""
     inp = case.inputs("cuda")
     do, dht = _grad_inputs(inp, 10)
     args = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]

@@ -144,7 +144,8 @@ def test_gdn_accuracy(case, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_gdn_unused_final_state(device):
-    """Without output_final_state the final state's gradient is absent (None or zeros)."""
+    """Without output_final_state the op returns no final state, and the gradients are
+    those of o alone (the FP64 reference's, which has no final-state term)."""
     inp = make_gdn_inputs([40, 90], 2, 4, 64, 64, initial_state=True, device=device, seed=7)
     leaves = {n: inp[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")}
     o, ht = cake_ops.gdn(*(leaves[n] for n in ("q", "k", "v", "g", "beta")), inp["cu_seqlens"],
@@ -382,6 +383,31 @@ def test_cuda_rules_by_condition(monkeypatch):
     assert "gradient of o" in dispatch.gdn_bwd_cuda_refusal(do.float(), dht, *args, 0.1)
     assert "final state" in dispatch.gdn_bwd_cuda_refusal(do, dht.double(), *args, 0.1)
     assert dispatch.short_conv_fwd_cuda_refusal(i["q"]) is None
+    assert dispatch.gdn_state_chain_cuda_refusal(dht) is None
+    assert "K = V = 128" in dispatch.gdn_state_chain_cuda_refusal(dht[..., :64])
+
+
+def test_pytorch_implementation_refuses_every_cuda_rule(monkeypatch):
+    """pytorch_implementation() turns every rule to a refusal, the kernels taken as
+    available (the chains' too: they once bypassed the rules)."""
+    from cake_ops import build, dispatch
+
+    monkeypatch.setattr(build, "available", lambda: True)
+    i = make_gdn_inputs([5, 64, 30], 1, 2, 128, 128, seed=3)
+    args = [i[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
+    do = torch.randn_like(i["v"].float()).bfloat16()
+    state = torch.zeros(3, 2, 128, 128)
+    rules = {
+        "gdn_fwd": lambda: dispatch.gdn_fwd_cuda_refusal(*args, 0.1),
+        "gdn_bwd": lambda: dispatch.gdn_bwd_cuda_refusal(do, None, *args, 0.1),
+        "gdn_state_chain": lambda: dispatch.gdn_state_chain_cuda_refusal(state),
+        "short_conv_fwd": lambda: dispatch.short_conv_fwd_cuda_refusal(i["q"]),
+        "short_conv_bwd": lambda: dispatch.short_conv_bwd_cuda_refusal(i["q"], i["q"]),
+    }
+    assert {name: rule() for name, rule in rules.items()} == dict.fromkeys(rules)
+    with dispatch.pytorch_implementation():
+        for name, rule in rules.items():
+            assert "pytorch_implementation" in (rule() or ""), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
