@@ -1,9 +1,9 @@
 """KCP on the CUDA kernels: several ranks as threads of one process on one GPU (torch's
 threaded process group), bf16 with K = V = 128, GVA, documents crossing rank boundaries,
-layouts C, Z and D: each rank's outputs and gradients against the single-GPU
-``cake_ops.gdn`` of the global batch (within the accuracy contract: the chain's fp32
-states replace the single-GPU cut grid's), the final states against the FP64
-reference, bitwise the same on a repeat and across the forms (full save mode, exchanges
+layouts C, Z and D: each rank's outputs and gradients against the FP64 reference and
+against the single-GPU ``cake_ops.gdn`` of the global batch (both within the accuracy
+contract: the chain's fp32 states replace the single-GPU cut grid's), bitwise the same on
+a repeat and across the forms (full save mode, exchanges
 a2a and ring, save_transfer), with NaN-poisoned allocations; kcp_workspace_bytes against the workspaces of the ops a call runs."""
 
 import pytest
@@ -26,7 +26,7 @@ NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 def _case(rank, world, layout, lengths, H, HV, seed, single):
     inp = make_gdn_inputs(lengths, H, HV, 128, 128, initial_state=True, device="cuda", seed=seed)
     ctx = build_context_kcp(inp["cu_seqlens"].cpu(), layout=layout, device="cuda", align=1)
-    do, dht, refs, ht64 = single
+    do, dht, refs, refs64 = single
 
     def run(save_mode="light", exchange="a2a", save_transfer=True, segments=None):
         local = [ctx.shard(inp[n]).clone().requires_grad_(True) for n in NAMES[:5]]
@@ -39,16 +39,16 @@ def _case(rank, world, layout, lengths, H, HV, seed, single):
     names = ("o", "final_state", "dq", "dk", "dv", "dg", "dbeta")
 
     def check(got, where, label=""):
-        for name, g_, r_ in zip(names, got, refs):
-            acc = accuracy(g_, r_ if name == "final_state" else ctx.shard(r_))
-            record_accuracy(f"kcp {name} vs single GPU{label}", acc)
-            assert acc.ok, (name, where, acc)
         dh0 = got[7].clone()
         dist.all_reduce(dh0)
-        acc = accuracy(dh0, refs[7])
-        record_accuracy(f"kcp dh0 vs single GPU{label}", acc)
-        assert acc.ok, ("dh0", where, acc)
-        assert accuracy(got[1], ht64).ok, where
+        for against, every in (("FP64", refs64), ("single GPU", refs)):
+            for name, g_, r_ in zip(names, got, every):
+                acc = accuracy(g_, r_ if name == "final_state" else ctx.shard(r_))
+                record_accuracy(f"kcp {name} vs {against}{label}", acc)
+                assert acc.ok, (name, against, where, acc)
+            acc = accuracy(dh0, every[7])
+            record_accuracy(f"kcp dh0 vs {against}{label}", acc)
+            assert acc.ok, ("dh0", against, where, acc)
 
     got = run()
     where = f"layout {layout}, lengths {lengths}, rank {rank}/{world}"
@@ -66,7 +66,9 @@ def _case(rank, world, layout, lengths, H, HV, seed, single):
             assert torch.equal(a, b), f"the form {form} differs from the default one ({where})"
 
 
-def _single_gpu(lengths, H, HV, seed):
+def _single_gpu(lengths, H, HV, seed, fp64=True):
+    """(do, dht, the single-GPU op's outputs and gradients, the FP64 reference's or None
+    without fp64: the bitwise tests compare with the op alone)."""
     inp = make_gdn_inputs(lengths, H, HV, 128, 128, initial_state=True, device="cuda", seed=seed)
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     do = torch.randn(inp["v"].shape, device="cuda", generator=gen).bfloat16()
@@ -75,9 +77,12 @@ def _single_gpu(lengths, H, HV, seed):
     o, ht = cake_ops.gdn(*leaves[:5], inp["cu_seqlens"], initial_state=leaves[5], output_final_state=True,
                          use_qk_l2norm=True)
     refs = [o, ht, *torch.autograd.grad((o, ht), leaves, (do, dht))]
-    _, ht64 = gdn_reference(*(inp[n].double() for n in NAMES[:5]), inp["cu_seqlens"],
-                            initial_state=inp["initial_state"].double(), use_qk_l2norm=True)
-    return do, dht, [r.detach() for r in refs], ht64
+    if not fp64:
+        return do, dht, [r.detach() for r in refs], None
+    leaves64 = [inp[n].detach().double().requires_grad_(True) for n in NAMES]
+    o64, ht64 = gdn_reference(*leaves64[:5], inp["cu_seqlens"], initial_state=leaves64[5], use_qk_l2norm=True)
+    refs64 = [o64, ht64, *torch.autograd.grad((o64, ht64), leaves64, (do.double(), dht.double()))]
+    return do, dht, [r.detach() for r in refs], [r.detach() for r in refs64]
 
 
 @pytest.mark.gpu
@@ -235,7 +240,7 @@ def test_deterministic_kcp_is_the_single_gpu_bits(world, layout):
     global batch, in the save modes and exchanges, on NaN-poisoned allocations (the
     pieces' calls chain their edges as the whole document's grid does: doc_flags)."""
     lengths, H, HV = [9000, 65, 1, 12000, 300, 7000], 2, 6  # 9000 and 12000: the half grid at HV = 6
-    single = _single_gpu(lengths, H, HV, seed=20 + world)
+    single = _single_gpu(lengths, H, HV, seed=20 + world, fp64=False)
     with poisoned_allocations():
         run_rank_threads(_bitwise_case, world, layout, lengths, H, HV, 20 + world, single, timeout=300)
 
@@ -253,7 +258,7 @@ def test_deterministic_kcp_of_half_grid_documents_is_the_single_gpu_bits(world, 
     per_doc = _aligned_fragments([0, *torch.tensor(lengths).cumsum(0).tolist()], world, layout)
     assert any(len(f) == 2 and half_grid(-(-lengths[d] // 64), HV) != half_grid(-(-min(f) // 64), HV)
                for d, f in enumerate(per_doc)), "no fragment falls in the other class by its own length"
-    single = _single_gpu(lengths, H, HV, seed=40 + world)
+    single = _single_gpu(lengths, H, HV, seed=40 + world, fp64=False)
     with poisoned_allocations():
         run_rank_threads(_bitwise_case, world, layout, lengths, H, HV, 40 + world, single, timeout=300)
 
@@ -268,7 +273,7 @@ def test_deterministic_kcp_with_relays_is_the_single_gpu_bits(world, layout):
     lengths, H, HV = [40960, 65, 1, 9000, 300], 2, 6
     assert max(len(f) for f in _aligned_fragments([0, *torch.tensor(lengths).cumsum(0).tolist()], world,
                                                     layout)) >= 3, "no relay in the case's plan"
-    single = _single_gpu(lengths, H, HV, seed=60 + world)
+    single = _single_gpu(lengths, H, HV, seed=60 + world, fp64=False)
     with poisoned_allocations():
         run_rank_threads(_bitwise_case, world, layout, lengths, H, HV, 60 + world, single, timeout=300)
 

@@ -27,7 +27,7 @@ WORLDS = [pytest.param(w, marks=pytest.mark.skipif(GPUS < w, reason=f"needs {w} 
 def _against_the_single_gpu_op(rank, world, check, layout, lengths, H, HV, seed):
     """test_kcp_cuda's ``_case`` (check "contract") or ``_bitwise_case`` ("bits") on this
     rank, after the single-GPU op of the global batch on this rank's GPU."""
-    single = _single_gpu(lengths, H, HV, seed)
+    single = _single_gpu(lengths, H, HV, seed, fp64=check == "contract")
     with poisoned_allocations():
         {"contract": _case, "bits": _bitwise_case}[check](rank, world, layout, lengths, H, HV, seed, single)
 
