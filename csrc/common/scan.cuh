@@ -1,6 +1,6 @@
 #pragma once
 
-// Inclusive prefix sums across a warp and across a block (shuffle-up, Hillis-Steele):
+// Inclusive prefix and suffix sums across a warp, prefix sums across a block (Hillis-Steele):
 // fixed orders of additions, so the same inputs give the same bits on every run.
 
 #include <cstdint>
@@ -18,6 +18,21 @@ __device__ __forceinline__ void warp_inclusive_scan(T (&x)[N]) {
     for (int s = 0; s < N; ++s) {
       const T y = __shfl_up_sync(0xffffffffu, x[s], o);
       if (lane >= o) x[s] += y;
+    }
+  }
+}
+
+// Inclusive suffix sums (lane l: the sum over lanes l .. 31) of each of the N values, in
+// place, as warp_inclusive_scan in the other direction (shuffle-down).
+template <typename T, int N>
+__device__ __forceinline__ void warp_inclusive_suffix_scan(T (&x)[N]) {
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+#pragma unroll
+    for (int s = 0; s < N; ++s) {
+      const T y = __shfl_down_sync(0xffffffffu, x[s], o);
+      if (lane + o < 32) x[s] += y;
     }
   }
 }

@@ -67,6 +67,7 @@
 #include <cuda_bf16.h>
 
 #include "common/mma_sm80.cuh"
+#include "common/scan.cuh"
 #include "common/swizzle.cuh"
 #include "common/tma_sm90.cuh"
 #include "common/wgmma_sm90.cuh"
@@ -463,15 +464,8 @@ __device__ __forceinline__ void token_gradients(const GdnBwdLocalArgs& p, const 
 #pragma unroll
   for (int s = 0; s < 2; ++s)
     if (lane + 32 * s == len - 1) dgc[s] += dgl;
-  // Suffix sums over the lanes (Hillis-Steele, shuffle down), the upper half first.
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-    for (int s = 0; s < 2; ++s) {
-      const float y = __shfl_down_sync(0xffffffffu, dgc[s], o);
-      if (lane + o < 32) dgc[s] += y;
-    }
-  }
+  // Suffix sums over the lanes, then the upper half's total onto the lower half's.
+  warp_inclusive_suffix_scan(dgc);
   dgc[0] += __shfl_sync(0xffffffffu, dgc[1], 0);
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
