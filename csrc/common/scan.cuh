@@ -1,38 +1,25 @@
 #pragma once
 
-// Inclusive prefix and suffix sums across a warp, prefix sums across a block (Hillis-Steele):
+// Inclusive prefix or suffix sums across a warp, prefix sums across a block (Hillis-Steele):
 // fixed orders of additions, so the same inputs give the same bits on every run.
 
 #include <cstdint>
 
 namespace cake {
 
-// Inclusive sums over the warp's lanes of each of the N values x[0..N-1], in place; the N
-// scans interleave step by step (independent shuffles in flight together).
-template <typename T, int N>
+// Inclusive sums over the warp's lanes of each of the N values x[0..N-1], in place: prefix
+// sums (lane l: lanes 0 .. l; shuffle-up) or, kSuffix, suffix sums (lanes l .. 31;
+// shuffle-down). The N scans interleave step by step (independent shuffles in flight
+// together).
+template <bool kSuffix = false, typename T, int N>
 __device__ __forceinline__ void warp_inclusive_scan(T (&x)[N]) {
   const int lane = threadIdx.x & 31;
 #pragma unroll
   for (int o = 1; o < 32; o <<= 1) {
 #pragma unroll
     for (int s = 0; s < N; ++s) {
-      const T y = __shfl_up_sync(0xffffffffu, x[s], o);
-      if (lane >= o) x[s] += y;
-    }
-  }
-}
-
-// Inclusive suffix sums (lane l: the sum over lanes l .. 31) of each of the N values, in
-// place, as warp_inclusive_scan in the other direction (shuffle-down).
-template <typename T, int N>
-__device__ __forceinline__ void warp_inclusive_suffix_scan(T (&x)[N]) {
-  const int lane = threadIdx.x & 31;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-#pragma unroll
-    for (int s = 0; s < N; ++s) {
-      const T y = __shfl_down_sync(0xffffffffu, x[s], o);
-      if (lane + o < 32) x[s] += y;
+      const T y = kSuffix ? __shfl_down_sync(0xffffffffu, x[s], o) : __shfl_up_sync(0xffffffffu, x[s], o);
+      if (kSuffix ? lane + o < 32 : lane >= o) x[s] += y;
     }
   }
 }

@@ -465,7 +465,7 @@ __device__ __forceinline__ void token_gradients(const GdnBwdLocalArgs& p, const 
   for (int s = 0; s < 2; ++s)
     if (lane + 32 * s == len - 1) dgc[s] += dgl;
   // Suffix sums over the lanes, then the upper half's total onto the lower half's.
-  warp_inclusive_suffix_scan(dgc);
+  warp_inclusive_scan</*kSuffix=*/true>(dgc);
   dgc[0] += __shfl_sync(0xffffffffu, dgc[1], 0);
 #pragma unroll
   for (int s = 0; s < 2; ++s) {
