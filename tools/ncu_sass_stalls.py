@@ -5,6 +5,7 @@
         --section WarpStateStats --section SourceCounters -o walk python3 <script>
     ncu -i walk.ncu-rep --page source --csv --print-source sass > walk_sass.csv
     python tools/ncu_sass_stalls.py walk_sass.csv [--top 20] [--cubin walk.cubin --kernel gdn_fwd_walk]
+        [--roles fwd_walk.cu:LINE=aux,fwd_walk.cu:LINE=state]
 
 Warps of different roles run different code, so an instruction's execution count tells
 the role apart (e.g. in the GDN walk the state warps execute their loop twice as often
@@ -19,13 +20,23 @@ kernel compiled to a cubin with the build's flags, e.g.
     nvcc -cubin -O3 -std=c++17 -gencode=arch=compute_90a,code=sm_90a -lineinfo -I csrc \
         csrc/gdn/bwd_local.cu -o bwd_local.cubin
 
-(nvdisasm --print-line-info reads it; the opcodes are compared instruction by instruction,
-so a cubin of other code is refused. Where the toolkit has no nvdisasm, as on the CPU
+(nvdisasm --print-line-info-inline reads it; the opcodes are compared instruction by
+instruction, so a cubin of other code is refused. Where the toolkit has no nvdisasm, as on the CPU
 machine, PyPI's nvidia-cuda-nvdisasm wheel holds one: `pip download --no-deps
 nvidia-cuda-nvdisasm`, unzip, pass nvidia/cu13/bin/nvdisasm as --nvdisasm; it also reads a
 locally compiled cubin's SASS without any GPU.) The source lines are printed from the paths the
-cubin names, where they exist here. On the H200 machine ncu reads the counters with
---clock-control none (Firecracker; see the device notes).
+cubin names, where they exist here. The cubin's flags must be the build's, torch's defines
+included (-D__CUDA_NO_HALF_OPERATORS__ -D__CUDA_NO_HALF_CONVERSIONS__
+-D__CUDA_NO_BFLOAT16_CONVERSIONS__ -D__CUDA_NO_HALF2_OPERATORS__ --expt-relaxed-constexpr):
+without them the code differs and the export is refused.
+
+With --roles (the calls that enter each role, as file name:line), also each role's share
+of the samples and, within it, its sites: the role's own lines that lead to the sampled
+instructions (through the inlined call chain), e.g. which of its waits. Every warp is
+sampled at the same rate, so a role's sites are where its time goes.
+
+On the H200 machine ncu reads the counters with --clock-control none (Firecracker; see
+the device notes).
 """
 
 from __future__ import annotations
@@ -52,11 +63,12 @@ def _opcode(text: str) -> str:
     return op.split(".")[0]
 
 
-def line_table(sass: str, kernel: str) -> dict[int, tuple[str, int, str]]:
-    """{offset: (file, line, opcode)} of the first function whose name holds `kernel`, from
-    the text of nvdisasm --print-line-info."""
-    table: dict[int, tuple[str, int, str]] = {}
-    inside, where = False, ("?", 0)
+def line_table(sass: str, kernel: str) -> dict[int, tuple[str, int, str, tuple]]:
+    """{offset: (file, line, opcode, stack)} of the first function whose name holds `kernel`,
+    from the text of nvdisasm --print-line-info-inline: stack is the inlined call chain as
+    (file, line) pairs, innermost (the instruction's own line) first."""
+    table: dict[int, tuple[str, int, str, tuple]] = {}
+    inside, stack, in_run = False, (("?", 0),), False
     for line in sass.splitlines():
         if line.startswith(".text."):
             if inside:
@@ -66,12 +78,14 @@ def line_table(sass: str, kernel: str) -> dict[int, tuple[str, int, str]]:
         if not inside:
             continue
         m = re.match(r'\s*//## File "([^"]+)", line (\d+)', line)
-        if m:
-            where = (m.group(1), int(m.group(2)))
+        if m:  # a run of these lines is one instruction's chain, innermost first
+            frame = (m.group(1), int(m.group(2)))
+            stack, in_run = (stack + (frame,) if in_run else (frame,)), True
             continue
+        in_run = False
         m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*)", line)
         if m:
-            table[int(m.group(1), 16)] = (where[0], where[1], _opcode(m.group(2).split(";")[0]))
+            table[int(m.group(1), 16)] = (stack[0][0], stack[0][1], _opcode(m.group(2).split(";")[0]), stack)
     if not table:
         raise SystemExit(f"no function with {kernel!r} in its name in the cubin")
     return table
@@ -88,7 +102,7 @@ def samples_by_line(hdr, data, table) -> dict[tuple[str, int], collections.Count
         off = int(r[0], 16) - base
         if off not in table or table[off][2] != _opcode(r[i_src]):
             raise SystemExit(f"instruction at +{off:#x} ({r[i_src].strip()}) is not the cubin's: other code?")
-        f, ln, _ = table[off]
+        f, ln = table[off][:2]
         c = out[(f, ln)]
         c["all"] += _num(r[i_smp])
         for h in reasons:
@@ -108,6 +122,43 @@ def print_lines(by_line, top: int) -> None:
         print(f"  {c['all'] / total:6.1%}  {Path(f).name}:{ln:<5d} [{why}] {text}")
 
 
+def samples_by_role(hdr, data, table, roles: dict[tuple[str, int], str]):
+    """{role: {site: Counter of stall reasons (and 'all')}}: each instruction's samples go to
+    the role whose entry call (file name, line) is in its inlined chain, and to the site, the
+    role's own line that leads to it (the frame just inside the entry call: e.g. which wait
+    of the role); 'other' where no role's call is in the chain."""
+    i_smp = hdr.index("Warp Stall Sampling (All Samples)")
+    reasons = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
+    base = int(data[0][0], 16)
+    out = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
+    for r in data:
+        stack = table[int(r[0], 16) - base][3]
+        role, site = "other", stack[-1]
+        for i, (f, ln) in enumerate(stack):
+            if (Path(f).name, ln) in roles:
+                role, site = roles[(Path(f).name, ln)], stack[max(i - 1, 0)]
+                break
+        c = out[role][site]
+        c["all"] += _num(r[i_smp])
+        for h in reasons:
+            c[h[len("stall_"):]] += _num(r[hdr.index(h)])
+    return out
+
+
+def print_roles(by_role, top: int) -> None:
+    total = sum(c["all"] for sites in by_role.values() for c in sites.values()) or 1.0
+    texts: dict[str, list[str]] = {}
+    for role, sites in sorted(by_role.items(), key=lambda kv: -sum(c["all"] for c in kv[1].values())):
+        n = sum(c["all"] for c in sites.values()) or 1.0
+        print(f"== role {role}: {n / total:.1%} of the samples; its sites (share of the role)")
+        for (f, ln), c in sorted(sites.items(), key=lambda kv: -kv[1]["all"])[:top]:
+            if f not in texts:
+                texts[f] = Path(f).read_text().splitlines() if Path(f).is_file() else []
+            text = texts[f][ln - 1].strip()[:60] if 0 < ln <= len(texts[f]) else ""
+            why = ", ".join(f"{k} {v / c['all']:.0%}" for k, v in c.most_common(4) if k != "all" and v)[:40]
+            print(f"  {c['all'] / n:6.1%}  {Path(f).name}:{ln:<5d} [{why}] {text}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("csv")
@@ -116,6 +167,8 @@ def main() -> None:
     ap.add_argument("--cubin", help="the kernel compiled with -lineinfo: samples per source line too")
     ap.add_argument("--kernel", default="", help="with --cubin: a part of the kernel's (mangled) name")
     ap.add_argument("--nvdisasm", default=shutil.which("nvdisasm") or "nvdisasm")
+    ap.add_argument("--roles", default="", help="with --cubin: FILE:LINE=NAME,... the calls that enter "
+                    "each role of a warp-specialised kernel (file name, line): samples per role and site")
     args = ap.parse_args()
 
     rows = list(csv.reader(open(args.csv)))
@@ -156,9 +209,17 @@ def main() -> None:
         print(f"  #{idx:5d} exec {int(_num(r[i_exe])):7d} samples {int(_num(r[i_smp])):6d}  "
               f"{r[i_src].strip()[:60]:60s} {', '.join(f'{k} {int(v)}' for k, v in why if v)}")
     if args.cubin:
-        sass = subprocess.run([args.nvdisasm, "--print-line-info", args.cubin], capture_output=True, text=True,
-                              check=True).stdout
-        print_lines(samples_by_line(hdr, data, line_table(sass, args.kernel)), args.top)
+        sass = subprocess.run([args.nvdisasm, "--print-line-info-inline", args.cubin], capture_output=True,
+                              text=True, check=True).stdout
+        table = line_table(sass, args.kernel)
+        print_lines(samples_by_line(hdr, data, table), args.top)
+        if args.roles:
+            roles = {}
+            for item in args.roles.split(","):
+                where, name = item.split("=")
+                f, ln = where.rsplit(":", 1)
+                roles[(f, int(ln))] = name
+            print_roles(samples_by_role(hdr, data, table, roles), args.top)
 
 
 if __name__ == "__main__":
