@@ -3,7 +3,7 @@
 
     python tools/gdn_bwd_chain_probe.py [--chunks 1024]
 
-A fused backward kernel (docs/kernels.md, Backward, "Next") must run the chain of one
+A fused backward kernel (docs/fused_backward.md) must run the chain of one
 (segment, value head) chunk by chunk,
 
     Y = dS^T K^T,  dv_new^T = Y diag(tail) + do^T P~,  X = dv_new^T A,
@@ -29,7 +29,7 @@ local products, one CTA an SM on every SM), in:
   dq and dk partials need) on the dS tile of the chunk they follow; dS double-buffered, so the local products of chunk c run beside the chain of
   chunk c + 1. Its ns a chunk against ``split``'s and the local products' own says
   whether the chain hides under the local work (the premise of a fused kernel's time a
-  tile; docs/kernels.md, Backward, "Next");
+  tile; docs/fused_backward.md);
 - ``local``: the fused layout's two local warpgroups alone (the chain's warpgroups return
   at once): the local products' own time a chunk.
 

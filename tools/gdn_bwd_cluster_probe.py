@@ -5,8 +5,8 @@ cluster costs a chunk, on a Hopper GPU.
     python tools/gdn_bwd_cluster_probe.py [--iters 512] [--smem-kb 200]
 
 A fused backward kernel with one CTA per (segment, value head) must sum dq and dk over
-the G value heads of a q/k head in a fixed order without a reduce kernel (docs/kernels.md,
-Backward, "Next"). One way is a cluster of the G CTAs of a q/k head, walking in step:
+the G value heads of a q/k head in a fixed order without a reduce kernel
+(docs/fused_backward.md). One way is a cluster of the G CTAs of a q/k head, walking in step:
 each chunk every CTA stages its dq and dk partials (64 x 128 fp32 each, 64 KB) in its
 shared memory, and each CTA sums a 1/G share of the elements over the cluster's ranks in
 rank order through distributed shared memory and stores them as bf16. This probe

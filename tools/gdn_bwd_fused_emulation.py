@@ -3,7 +3,7 @@
 
     python tools/gdn_bwd_fused_emulation.py [--cases edges,gva3_strong] [--seeds 0,2] [--vsplit 1,2]
 
-A fused CUDA backward (docs/kernels.md, Backward, "The fused backward's plan") walks dS back
+A fused CUDA backward (docs/fused_backward.md, "The plan") walks dS back
 over one (segment, value head) and forms every chunk-local gradient in the same step, from
 tiles handed between warpgroups in shared memory, never through a dS or dv_new tape. Its
 schedule reorganises the algebra of today's two kernels (cake_ops/pytorch/gdn.py

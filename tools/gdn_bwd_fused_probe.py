@@ -3,8 +3,7 @@
 
     python tools/gdn_bwd_fused_probe.py [--chunks 1024]      # H200; compile-only: tests/cuda/test_kernel_code.py
 
-Step 1 of the fused backward's build order (docs/kernels.md, Backward, "The fused
-backward's plan"): one CTA per (segment, value head, value half), a cluster pair holding
+Step 1 of the fused backward's build order (docs/fused_backward.md, "The plan"): one CTA per (segment, value head, value half), a cluster pair holding
 the two halves of V (the probe launches the CTAs alone, one an SM), four warpgroups in roles with the real accumulators, operand tiles and
 hand-overs of the schedule that tools/gdn_bwd_fused_emulation.py checks on the CPU:
 
