@@ -91,22 +91,39 @@ def line_table(sass: str, kernel: str) -> dict[int, tuple[str, int, str, tuple]]
     return table
 
 
-def samples_by_line(hdr, data, table) -> dict[tuple[str, int], collections.Counter]:
-    """{(file, line): Counter of stall reasons (and 'all')} over the export's rows, whose
-    first column is the instruction's address; offsets from the first row's."""
-    i_src, i_smp = hdr.index("Source"), hdr.index("Warp Stall Sampling (All Samples)")
-    reasons = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
+def _matched_rows(hdr, data, table):
+    """(the table's entry, the row) of each export row, matched by offset from the first
+    row's address and by opcode: an export of other code is refused."""
+    i_src = hdr.index("Source")
     base = int(data[0][0], 16)
-    out: dict[tuple[str, int], collections.Counter] = collections.defaultdict(collections.Counter)
     for r in data:
         off = int(r[0], 16) - base
         if off not in table or table[off][2] != _opcode(r[i_src]):
             raise SystemExit(f"instruction at +{off:#x} ({r[i_src].strip()}) is not the cubin's: other code?")
-        f, ln = table[off][:2]
-        c = out[(f, ln)]
-        c["all"] += _num(r[i_smp])
-        for h in reasons:
-            c[h[len("stall_"):]] += _num(r[hdr.index(h)])
+        yield table[off], r
+
+
+def _add_samples(c: collections.Counter, hdr, r) -> None:
+    """A row's samples into c: 'all' and each stall reason."""
+    c["all"] += _num(r[hdr.index("Warp Stall Sampling (All Samples)")])
+    for i, h in enumerate(hdr):
+        if h.startswith("stall_") and "(Not Issued)" not in h:
+            c[h[len("stall_"):]] += _num(r[i])
+
+
+def _source_text(texts: dict[str, list[str]], f: str, ln: int, width: int) -> str:
+    """Line ln of file f where it exists here (files read once into texts)."""
+    if f not in texts:
+        texts[f] = Path(f).read_text().splitlines() if Path(f).is_file() else []
+    return texts[f][ln - 1].strip()[:width] if 0 < ln <= len(texts[f]) else ""
+
+
+def samples_by_line(hdr, data, table) -> dict[tuple[str, int], collections.Counter]:
+    """{(file, line): Counter of stall reasons (and 'all')} over the export's rows, whose
+    first column is the instruction's address; offsets from the first row's."""
+    out: dict[tuple[str, int], collections.Counter] = collections.defaultdict(collections.Counter)
+    for entry, r in _matched_rows(hdr, data, table):
+        _add_samples(out[entry[:2]], hdr, r)
     return out
 
 
@@ -115,11 +132,8 @@ def print_lines(by_line, top: int) -> None:
     texts: dict[str, list[str]] = {}
     print(f"== top {top} source lines by samples")
     for (f, ln), c in sorted(by_line.items(), key=lambda kv: -kv[1]["all"])[:top]:
-        if f not in texts:
-            texts[f] = Path(f).read_text().splitlines() if Path(f).is_file() else []
-        text = texts[f][ln - 1].strip()[:70] if 0 < ln <= len(texts[f]) else ""
         why = ", ".join(f"{k} {v / total:.1%}" for k, v in c.most_common(4) if k != "all" and v)[:48]
-        print(f"  {c['all'] / total:6.1%}  {Path(f).name}:{ln:<5d} [{why}] {text}")
+        print(f"  {c['all'] / total:6.1%}  {Path(f).name}:{ln:<5d} [{why}] {_source_text(texts, f, ln, 70)}")
 
 
 def samples_by_role(hdr, data, table, roles: dict[tuple[str, int], str]):
@@ -127,21 +141,15 @@ def samples_by_role(hdr, data, table, roles: dict[tuple[str, int], str]):
     the role whose entry call (file name, line) is in its inlined chain, and to the site, the
     role's own line that leads to it (the frame just inside the entry call: e.g. which wait
     of the role); 'other' where no role's call is in the chain."""
-    i_smp = hdr.index("Warp Stall Sampling (All Samples)")
-    reasons = [h for h in hdr if h.startswith("stall_") and "(Not Issued)" not in h]
-    base = int(data[0][0], 16)
     out = collections.defaultdict(lambda: collections.defaultdict(collections.Counter))
-    for r in data:
-        stack = table[int(r[0], 16) - base][3]
+    for entry, r in _matched_rows(hdr, data, table):
+        stack = entry[3]
         role, site = "other", stack[-1]
         for i, (f, ln) in enumerate(stack):
             if (Path(f).name, ln) in roles:
                 role, site = roles[(Path(f).name, ln)], stack[max(i - 1, 0)]
                 break
-        c = out[role][site]
-        c["all"] += _num(r[i_smp])
-        for h in reasons:
-            c[h[len("stall_"):]] += _num(r[hdr.index(h)])
+        _add_samples(out[role][site], hdr, r)
     return out
 
 
@@ -152,11 +160,8 @@ def print_roles(by_role, top: int) -> None:
         n = sum(c["all"] for c in sites.values()) or 1.0
         print(f"== role {role}: {n / total:.1%} of the samples; its sites (share of the role)")
         for (f, ln), c in sorted(sites.items(), key=lambda kv: -kv[1]["all"])[:top]:
-            if f not in texts:
-                texts[f] = Path(f).read_text().splitlines() if Path(f).is_file() else []
-            text = texts[f][ln - 1].strip()[:60] if 0 < ln <= len(texts[f]) else ""
             why = ", ".join(f"{k} {v / c['all']:.0%}" for k, v in c.most_common(4) if k != "all" and v)[:40]
-            print(f"  {c['all'] / n:6.1%}  {Path(f).name}:{ln:<5d} [{why}] {text}")
+            print(f"  {c['all'] / n:6.1%}  {Path(f).name}:{ln:<5d} [{why}] {_source_text(texts, f, ln, 60)}")
 
 
 def main() -> None:
