@@ -3,6 +3,7 @@
 bounds stream_ms when the kernels are short.
 
     python tools/gdn_host_overhead.py [--op fwd|fwdbwd] [--calls 100] [--profile] [--ops-table]
+                                      [--stub-kernels]
 
 Times calls issued back to back with no sync (host time) and with the final sync (wall),
 few enough (--calls 100) that the launch queue never fills and blocks the host on the
@@ -15,7 +16,10 @@ custom ops cake::gdn_fwd and cake::gdn_bwd under no_grad, and the two raw extens
 Shape: s16k_h8 (4 x 4096 tokens, (H, HV) = (8, 16)), deterministic, in-op L2 norm.
 --profile adds a cProfile of the first layer (--layer N: the N-th); --ops-table the torch
 profiler's table of its host-side ops (self CPU time), which shows what runs besides the
-kernels' launches.
+kernels' launches. --stub-kernels runs on the CPU, on any machine: the two ops' CPU kernels
+replaced by ones that return empty outputs of the right shapes, so the layers above the
+kernels (cake_ops.gdn's Python, the custom ops' dispatch and autograd) are timed alone;
+the extension-op layers are left out (docs/kernels.md, "Next", host time).
 """
 
 from __future__ import annotations
@@ -37,6 +41,25 @@ from cake_ops import build  # noqa: E402
 from cake_ops.testing import make_gdn_inputs  # noqa: E402
 
 
+def stub_kernels() -> None:
+    """CPU kernels for cake::gdn_fwd and cake::gdn_bwd that return empty outputs of the
+    ops' shapes and dtypes: the layers above the kernels, timed without their work."""
+    from cake_ops.ops import gdn as gdn_ops
+
+    def fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
+            segment_chunks=-1, doc_flags=None):
+        T, HV, V = v.shape
+        return v.new_empty(T, HV, V), v.new_empty(cu_seqlens.shape[0] - 1, HV, q.shape[-1], V, dtype=torch.float32)
+
+    def bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, tapes=None,
+            graph=False, segment_chunks=-1, doc_flags=None):
+        dh0 = v.new_empty(cu_seqlens.shape[0] - 1, v.shape[1], q.shape[-1], v.shape[-1], dtype=torch.float32)
+        return tuple(torch.empty_like(x) for x in (q, k, v, g, beta)) + (dh0,)
+
+    gdn_ops.gdn_fwd.register_kernel("cpu")(fwd)
+    gdn_ops.gdn_bwd.register_kernel("cpu")(bwd)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--op", choices=("fwd", "fwdbwd"), default="fwd")
@@ -45,13 +68,19 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--ops-table", action="store_true")
     ap.add_argument("--layer", type=int, default=0, help="the layer --profile and --ops-table look at (0: the first)")
+    ap.add_argument("--stub-kernels", action="store_true", help="on the CPU, the ops' kernels returning empty outputs")
     args = ap.parse_args()
 
     from cake_ops.bench.shapes import SHAPES
 
     shape = SHAPES[args.shape]
-    ops = build.load()
-    inp = make_gdn_inputs(list(shape.docs), shape.H, shape.HV, 128, 128, device="cuda", seed=0)
+    device = "cpu" if args.stub_kernels else "cuda"
+    if args.stub_kernels:
+        stub_kernels()
+    else:
+        ops = build.load()
+    synchronize = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    inp = make_gdn_inputs(list(shape.docs), shape.H, shape.HV, 128, 128, device=device, seed=0)
     leaves = [inp[n].detach().requires_grad_(True) for n in ("q", "k", "v", "g", "beta")]
     q, k, v, g, beta = leaves
     qd, kd, vd, gd, bd = (t.detach() for t in leaves)
@@ -88,21 +117,27 @@ def main() -> None:
         ops.gdn_fwd(qd, kd, vd, gd, bd, cu, None, scale, True, True, -1)
         return ops.gdn_bwd(do, None, qd, kd, vd, gd, bd, cu, None, scale, True, True, -1, -1, -1, None)
 
-    layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad),
-               ("cake_cuda.gdn_fwd", extension_op)) if args.op == "fwd" else
-              (("fwdbwd step", fwdbwd_step), ("fwdbwd step, graph='replay'", fwdbwd_step_replay),
-               ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd),
-               ("cake_cuda fwd + bwd", extension_fwdbwd)))
-    print(f"{args.op} at {shape.name}, {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    if args.stub_kernels:
+        layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad))
+                  if args.op == "fwd" else
+                  (("fwdbwd step", fwdbwd_step), ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd)))
+    else:
+        layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad),
+                   ("cake_cuda.gdn_fwd", extension_op)) if args.op == "fwd" else
+                  (("fwdbwd step", fwdbwd_step), ("fwdbwd step, graph='replay'", fwdbwd_step_replay),
+                   ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd),
+                   ("cake_cuda fwd + bwd", extension_fwdbwd)))
+    where = "CPU, stubbed kernels" if args.stub_kernels else torch.cuda.get_device_name()
+    print(f"{args.op} at {shape.name}, {where}, torch {torch.__version__}")
     for name, fn in layers:
         for _ in range(20):
             fn()
-        torch.cuda.synchronize()
+        synchronize()
         t0 = time.perf_counter()
         for _ in range(args.calls):
             fn()
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        synchronize()
         t2 = time.perf_counter()
         print(f"{name:28s} host {1e6 * (t1 - t0) / args.calls:7.1f} us/call   wall {1e6 * (t2 - t0) / args.calls:7.1f} us/call")
 
@@ -113,7 +148,7 @@ def main() -> None:
         for _ in range(args.calls):
             first()
         prof.disable()
-        torch.cuda.synchronize()
+        synchronize()
         for key in ("tottime", "cumtime"):
             out = io.StringIO()
             pstats.Stats(prof, stream=out).sort_stats(key).print_stats(25)
@@ -122,7 +157,7 @@ def main() -> None:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             for _ in range(args.calls):
                 first()
-        torch.cuda.synchronize()
+        synchronize()
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40))
 
 
