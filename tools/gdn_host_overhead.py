@@ -17,7 +17,7 @@ Shape: s16k_h8 (4 x 4096 tokens, (H, HV) = (8, 16)), deterministic, in-op L2 nor
 --profile adds a cProfile of the first layer (--layer N: the N-th); --ops-table the torch
 profiler's table of its host-side ops (self CPU time), which shows what runs besides the
 kernels' launches. --stub-kernels runs on the CPU, on any machine: the two ops' CPU kernels
-replaced by ones that return empty outputs of the right shapes, so the layers above the
+replaced by the ops' fake kernels (meta/gdn.py: empty outputs), so the layers above the
 kernels (cake_ops.gdn's Python, the custom ops' dispatch and autograd) are timed alone;
 the extension-op layers are left out (docs/kernels.md, "Next", host time).
 """
@@ -42,22 +42,14 @@ from cake_ops.testing import make_gdn_inputs  # noqa: E402
 
 
 def stub_kernels() -> None:
-    """CPU kernels for cake::gdn_fwd and cake::gdn_bwd that return empty outputs of the
-    ops' shapes and dtypes: the layers above the kernels, timed without their work."""
+    """The ops' fake kernels (meta/gdn.py: the ops' static checks, then empty outputs of
+    their shapes and dtypes) as the CPU kernels of cake::gdn_fwd and cake::gdn_bwd: the
+    layers above the kernels, timed without the kernels' work."""
+    from cake_ops.meta import gdn as fake  # loaded by `import cake_ops`
     from cake_ops.ops import gdn as gdn_ops
 
-    def fwd(q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, graph=False,
-            segment_chunks=-1, doc_flags=None):
-        T, HV, V = v.shape
-        return v.new_empty(T, HV, V), v.new_empty(cu_seqlens.shape[0] - 1, HV, q.shape[-1], V, dtype=torch.float32)
-
-    def bwd(do, dht, q, k, v, g, beta, cu_seqlens, initial_state, scale, use_qk_l2norm, deterministic, tapes=None,
-            graph=False, segment_chunks=-1, doc_flags=None):
-        dh0 = v.new_empty(cu_seqlens.shape[0] - 1, v.shape[1], q.shape[-1], v.shape[-1], dtype=torch.float32)
-        return tuple(torch.empty_like(x) for x in (q, k, v, g, beta)) + (dh0,)
-
-    gdn_ops.gdn_fwd.register_kernel("cpu")(fwd)
-    gdn_ops.gdn_bwd.register_kernel("cpu")(bwd)
+    gdn_ops.gdn_fwd.register_kernel("cpu")(fake.gdn_fwd)
+    gdn_ops.gdn_bwd.register_kernel("cpu")(fake.gdn_bwd)
 
 
 def main() -> None:
@@ -117,16 +109,13 @@ def main() -> None:
         ops.gdn_fwd(qd, kd, vd, gd, bd, cu, None, scale, True, True, -1)
         return ops.gdn_bwd(do, None, qd, kd, vd, gd, bd, cu, None, scale, True, True, -1, -1, -1, None)
 
-    if args.stub_kernels:
-        layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad))
-                  if args.op == "fwd" else
-                  (("fwdbwd step", fwdbwd_step), ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd)))
-    else:
-        layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad),
-                   ("cake_cuda.gdn_fwd", extension_op)) if args.op == "fwd" else
-                  (("fwdbwd step", fwdbwd_step), ("fwdbwd step, graph='replay'", fwdbwd_step_replay),
-                   ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd),
-                   ("cake_cuda fwd + bwd", extension_fwdbwd)))
+    layers = ((("cake_ops.gdn, grad", gdn_with_grad), ("cake::gdn_fwd, no_grad", custom_op_no_grad),
+               ("cake_cuda.gdn_fwd", extension_op)) if args.op == "fwd" else
+              (("fwdbwd step", fwdbwd_step), ("fwdbwd step, graph='replay'", fwdbwd_step_replay),
+               ("cake:: fwd + bwd, no_grad", custom_ops_fwdbwd),
+               ("cake_cuda fwd + bwd", extension_fwdbwd)))
+    if args.stub_kernels:  # no extension ops, and graph replay is a CUDA path
+        layers = tuple(l for l in layers if l[1] not in (extension_op, extension_fwdbwd, fwdbwd_step_replay))
     where = "CPU, stubbed kernels" if args.stub_kernels else torch.cuda.get_device_name()
     print(f"{args.op} at {shape.name}, {where}, torch {torch.__version__}")
     for name, fn in layers:

@@ -1,7 +1,6 @@
-"""tools/gdn_host_overhead.py --stub-kernels on the CPU: the ops' kernels replaced by empty
-outputs of their shapes (so a change of an op's schema that the stubs no longer take fails
-here), every layer of both --op modes timed, and its cProfile printed. In a subprocess: the
-stubs are registered for the process."""
+"""tools/gdn_host_overhead.py --stub-kernels on the CPU: the ops' kernels replaced by their
+fake kernels (meta/gdn.py), every layer of both --op modes timed, and its cProfile printed.
+In a subprocess: the stubs are registered for the process."""
 
 import re
 import subprocess
