@@ -6,7 +6,8 @@ reference, times every (shape, op) cell and prints the table (``--kernels``: and
 per-kernel split), and writes the JSON (``--json``). ``--cp N``: context parallel
 instead, one process a device, the slowest rank against the single device
 (``cake_ops.bench.kcp_devices``); ``--cp N --emulate``: its ranks as threads on this one
-device, their per-rank compute (``cake_ops.bench.kcp``).
+device, their per-rank compute (``cake_ops.bench.kcp``). ``--cp 1,2,4,8``: each degree
+in turn, then the scaling curve (``format_kcp_scaling``).
 
 Interrupted (SIGTERM, e.g. from ``timeout``, or Ctrl-C) while timing: the cells timed
 so far are still summarised, printed and written; a timing not finished for a cell is
@@ -18,7 +19,9 @@ time limit still reports what it measured.
 from __future__ import annotations
 
 import argparse
+import copy
 import math
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -93,7 +96,7 @@ def run(args) -> dict:
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m cake_ops.bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", help=f"comma list; default all of {','.join(SHAPES)} (--quick: {','.join(QUICK_SHAPES)}; "
-                                    f"with --cp also {','.join(KCP_SHAPES)})")
+                                    f"with --cp: all of {','.join(KCP_SHAPES)}, and the others may be named)")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma list of {','.join(OPS)}")
     p.add_argument("--arms", default=",".join(ARMS), help=f"comma list of {','.join(ARMS)}")
     p.add_argument("--groups", type=int, default=3, help="timing groups, >= 3 (default 3)")
@@ -109,9 +112,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="write the report here (allow_nan=False; non-finite -> null)")
     p.add_argument("--kernels", action="store_true", help="also print each row's per-kernel times (always in the JSON)")
     p.add_argument("--quick", action="store_true", help="tiny shapes, few calls: a smoke test that also runs on a CPU")
-    p.add_argument("--cp", type=int, default=None, metavar="N",
+    p.add_argument("--cp", default=None, metavar="N[,N...]",
                    help="context parallel over N ranks (cake_ops.kcp), one process a device (NCCL; gloo with "
-                        "--device cpu; spawned, or torchrun's): the slowest rank against the single device")
+                        "--device cpu; spawned, or torchrun's): the slowest rank against the single device; "
+                        "a comma list runs each degree in turn and adds the scaling curve")
     p.add_argument("--emulate", action="store_true", help="with --cp: the ranks as threads on this one device "
                    "(per-rank compute and bytes)")
     p.add_argument("--layout", default="C", choices=("C", "Z", "D"), help="with --cp: the KCP layout")
@@ -129,7 +133,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
             p.error(f"--{what}: unknown {bad or 'empty list'}; choose from {', '.join(allowed)}")
         return list(dict.fromkeys(items))
 
-    default_shapes = QUICK_SHAPES if args.quick else SHAPES
+    args.cp_degrees = None
+    if args.cp is not None:
+        try:
+            degrees = [int(x) for x in args.cp.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--cp: a comma list of integers, got {args.cp!r}")
+        if not degrees or min(degrees) < 1:
+            p.error("--cp N needs N >= 1")
+        args.cp_degrees = list(dict.fromkeys(degrees))
+        args.cp = args.cp_degrees[0]
+    default_shapes = QUICK_SHAPES if args.quick else (KCP_SHAPES if args.cp is not None else SHAPES)
     known = list(SHAPES) + list(QUICK_SHAPES) + (list(KCP_SHAPES) if args.cp is not None else [])
     args.shapes = split(args.shapes or ",".join(default_shapes), known, "shapes")
     args.ops = split(args.ops, OPS, "ops")
@@ -140,8 +154,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--groups must be >= 3 (docs/benchmark.md, Protocol)")
     if args.calls < 1 or args.warmup < 0:
         p.error("--calls must be >= 1 and --warmup >= 0")
-    if args.cp is not None and args.cp < 1:
-        p.error("--cp N needs N >= 1")
     if args.emulate and args.cp is None:
         p.error("--emulate goes with --cp N")
     return args
@@ -150,27 +162,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> dict:
     """Parse argv (default sys.argv[1:]), run, print the table(s), write the JSON; the report."""
     args = parse_args(argv)
-    if args.cp is not None and not args.emulate:
-        from .kcp_devices import format_kcp_devices_table, run_kcp_devices
-
-        report = run_kcp_devices(args)
-        if report is not None:  # the process of rank 0
-            print(format_kcp_devices_table(report), flush=True)
-            if args.json:
-                write_json(report, args.json)
-                print(f"wrote {args.json}", flush=True)
-        return report
     if args.cp is not None:
-        from .kcp import format_kcp_kernels, format_kcp_table, run_kcp
-
-        report = run_kcp(args)
-        print(format_kcp_table(report), flush=True)
-        if args.kernels:
-            print(format_kcp_kernels(report), flush=True)
-        if args.json:
-            write_json(report, args.json)
-            print(f"wrote {args.json}", flush=True)
-        return report
+        return _main_kcp(args)
     previous = signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
         report = run(args)
@@ -179,6 +172,41 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(format_table(report), flush=True)
     if args.kernels:
         print(format_kernels(report), flush=True)
+    if args.json:
+        write_json(report, args.json)
+        print(f"wrote {args.json}", flush=True)
+    return report
+
+
+def _main_kcp(args) -> dict | None:
+    """``--cp``: each degree in turn, its table printed as it ends, then with several the
+    scaling curve. The report: the one degree's, or ``{"degrees": [...], "scaling":
+    [...]}``; None on torchrun's ranks other than 0."""
+    from .kcp import format_kcp_kernels, format_kcp_scaling, format_kcp_table, kcp_scaling, run_kcp
+    from .kcp_devices import format_kcp_devices_table, run_kcp_devices
+
+    if not args.emulate and "WORLD_SIZE" in os.environ and len(args.cp_degrees) > 1:
+        raise SystemExit(f"--cp {','.join(map(str, args.cp_degrees))} under torchrun: one degree, its WORLD_SIZE")
+    reports = []
+    for n in args.cp_degrees:
+        one = copy.copy(args)
+        one.cp = n
+        if args.emulate:
+            report = run_kcp(one)
+            print(format_kcp_table(report), flush=True)
+            if args.kernels:
+                print(format_kcp_kernels(report), flush=True)
+        else:
+            report = run_kcp_devices(one)
+            if report is None:  # torchrun's ranks other than 0
+                return None
+            print(format_kcp_devices_table(report), flush=True)
+        reports.append(report)
+    if len(reports) == 1:
+        report = reports[0]
+    else:
+        report = {"degrees": reports, "scaling": kcp_scaling(reports)}
+        print(format_kcp_scaling(report["scaling"], reports[0]["meta"]), flush=True)
     if args.json:
         write_json(report, args.json)
         print(f"wrote {args.json}", flush=True)

@@ -83,9 +83,24 @@ def shape_names(text: str) -> list[str]:
     return names
 
 
-# Context parallel's target shape (issue 20), for --cp only: two documents of 128k tokens.
-KCP_SHAPES = {s.name: s for s in (Shape("s256k_2docs_h16", (131072, 131072), 16, 48),
-                                   Shape("s256k_1doc_h16", (262144,), 16, 48))}
+# Context parallel's shapes, for --cp only (issue 21): packs of 262144 tokens, one to six
+# documents, at (H, HV) = (16, 48) and (2, 6). One document spans every rank (relays from
+# CP 3 on); two are issue 20's target; from three on the lengths are uneven and not
+# multiples of 64, so documents cross rank boundaries at arbitrary offsets with partial
+# last chunks. 262144 = 2^18 tokens splits into the equal parts FLA's CP needs at any CP.
+_KCP_DOCS = {
+    1: (262144,),
+    2: (131072, 131072),
+    3: (120000, 90000, 52144),
+    4: (100000, 80000, 50000, 32144),
+    5: (90000, 70000, 50000, 30000, 22144),
+    6: (80000, 60000, 50000, 35000, 25000, 12144),
+}
+KCP_SHAPES = {
+    s.name: s
+    for heads, H, HV in (("h16", 16, 48), ("h2", 2, 6))
+    for s in (Shape(f"s256k_{n}doc{'s' if n > 1 else ''}_{heads}", docs, H, HV) for n, docs in _KCP_DOCS.items())
+}
 ACCURACY_SHAPE = Shape("accuracy", (100, 64, 37), 2, 6)
 
 

@@ -14,7 +14,7 @@ from cake_ops.bench.__main__ import main, parse_args
 from cake_ops.bench.accuracy import GRAD_NAMES
 from cake_ops.bench.arms import ARMS, FRESH_CU_SEQLENS, OPS, Arm, make_step
 from cake_ops.bench.report import format_kernels, format_table, sanitize
-from cake_ops.bench.shapes import QUICK_SHAPES, SHAPES, chunks_per_head, fwd_flop_per_head_chunk, gdn_flop
+from cake_ops.bench.shapes import KCP_SHAPES, QUICK_SHAPES, SHAPES, chunks_per_head, fwd_flop_per_head_chunk, gdn_flop
 from cake_ops.bench.timing import (
     busy_us,
     drift,
@@ -88,6 +88,29 @@ def test_parse_args():
     for bad in (["--groups", "2"], ["--arms", "nope"], ["--shapes", "s1"], ["--ops", ""]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_parse_args_cp_degrees_and_their_default_shapes():
+    """``--cp``: one degree or a comma list (each once, in the order given); its default
+    shapes are the KCP packs, and the other shapes may be named."""
+    args = parse_args(["--cp", "1,2,4,8,2"])
+    assert args.cp_degrees == [1, 2, 4, 8] and args.cp == 1 and args.shapes == list(KCP_SHAPES)
+    assert parse_args(["--cp", "2", "--shapes", "s256k_h2"]).shapes == ["s256k_h2"]
+    assert parse_args([]).cp_degrees is None
+    for bad in (["--cp", "0"], ["--cp", "2,x"], ["--cp", ","], ["--shapes", "s256k_1doc_h16"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_kcp_shapes_are_quarter_million_token_packs_of_one_to_six_documents():
+    """Issue 21's shapes: 262144 tokens (equal parts for FLA's CP at CP 1 to 8), one to
+    six documents, at (H, HV) = (16, 48) and at (2, 6)."""
+    by_heads = {}
+    for s in KCP_SHAPES.values():
+        assert s.T == 262144 and min(s.docs) > 0 and s.T % 16 == 0
+        by_heads.setdefault((s.H, s.HV), []).append(len(s.docs))
+    assert by_heads == {(16, 48): [1, 2, 3, 4, 5, 6], (2, 6): [1, 2, 3, 4, 5, 6]}
+    assert not set(KCP_SHAPES) & set(SHAPES)
 
 
 def test_table_marks_unstable_and_wall_clock():
@@ -346,11 +369,85 @@ def test_cp_emulate_on_cpu(tmp_path):
     (row,) = data["results"]
     assert row["shape"] == "q_packed" and row["single_ms"] > 0 and row["kcp_all_ranks_ms"] > 0
     assert row["per_rank_ms"] == pytest.approx(row["kcp_all_ranks_ms"] / 2)
+    # Each rank alone, its collectives served from a threaded step: the threaded step's bits.
+    assert row["alone_bitwise"] and len(row["rank_alone_ms"]) == 2 and min(row["rank_alone_ms"]) > 0
+    assert row["slowest_alone_ms"] == max(row["rank_alone_ms"]) == row["rank_alone_ms"][row["slowest_rank"]]
     assert set(row["kernels"]) == {"single", "kcp"}  # per-kernel splits: empty without the profiler
     assert row["comm_bytes_per_rank"]["gdn summaries, forward all-gather"] > 0  # documents cross the boundary
     assert report["meta"]["cp"] == 2 and report["meta"]["layout"] == "Z"
     with pytest.raises(SystemExit):
         main(["--quick", "--emulate"])  # --emulate without --cp
+
+
+def test_cp_emulate_scaling_curve_on_cpu(tmp_path):
+    """``--cp 1,2 --emulate``: each degree's report, and per shape the curve of the slowest
+    rank's time alone over the single device's, each degree against its own single-device
+    time."""
+    path = tmp_path / "json"
+    main(["--quick", "--device", "cpu", "--shapes", "q_packed", "--calls", "1", "--warmup", "0", "--cp", "1,2",
+          "--emulate", "--align", "1", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert [d["meta"]["cp"] for d in data["degrees"]] == [1, 2]
+    assert all(d["accuracy"]["ok"] for d in data["degrees"])
+    (row,) = data["scaling"]
+    assert row["shape"] == "q_packed" and row["op"] == "fwdbwd" and set(row["by_cp"]) == {"1", "2"}
+    for cp, degree in zip(("1", "2"), data["degrees"]):
+        (r,) = degree["results"]
+        cell = row["by_cp"][cp]
+        assert cell["ms"] == pytest.approx(r["slowest_alone_ms"]) and cell["single_ms"] == pytest.approx(r["single_ms"])
+        assert cell["over_single"] == pytest.approx(r["slowest_alone_ms"] / r["single_ms"])
+
+
+def test_kcp_rank_alone_is_the_threaded_bits_and_notices_other_collectives():
+    """A rank's step alone (``--emulate``'s per-rank times): served the collectives a
+    threaded step received, its outputs and gradients are that step's bits; served other
+    values, they are not; served more or fewer calls, or a call of another shape, it fails."""
+    from cake_ops.bench.kcp import _EmulatedKcp
+    from cake_ops.bench.shapes import make_inputs
+
+    inp = make_inputs(QUICK_SHAPES["q_packed"], torch.device("cpu"), "mamba", 0)
+    kcp = _EmulatedKcp(inp, 2, "Z", 1)
+    kcp.record()
+    assert all(len(kcp.collectives.calls[r]) > 0 for r in range(2))  # documents cross the boundary
+    for r in range(2):
+        alone = kcp.alone(r)
+        alone()
+        assert alone.check()
+    calls = kcp.collectives.calls[1]
+    name, shape, y = calls[0]
+    calls[0] = (name, shape, y + 1)  # another value received
+    alone = kcp.alone(1)
+    alone()
+    assert not alone.check()
+    calls[0] = (name, shape, y)
+    calls.append(calls[-1])  # a call the step does not make
+    with pytest.raises(RuntimeError, match="collectives, the threaded step's"):
+        kcp.alone(1)()
+    calls.pop()
+    calls.pop()  # a call the step makes, missing
+    with pytest.raises(RuntimeError, match="the threaded step's was none"):
+        kcp.alone(1)()
+    calls[0] = (name, (shape[0] + 1, *shape[1:]), y)
+    with pytest.raises(RuntimeError, match="the threaded step's was"):
+        kcp.alone(1)()
+
+
+def test_kcp_scaling_of_device_reports_takes_the_slowest_rank_per_op():
+    """The curve of ``--cp N,M`` without ``--emulate``: per (shape, op), the slowest rank's
+    stream_ms over that degree's own single-device time."""
+    from cake_ops.bench.kcp import format_kcp_scaling, kcp_scaling
+
+    def report(cp, rows):
+        return {"meta": {"cp": cp, "emulate": False, "layout": "C"},
+                "results": [{"shape": "s", "op": op, "single": {"stream_ms": single}, "slowest": {"stream_ms": ms}}
+                            for op, single, ms in rows]}
+
+    rows = kcp_scaling([report(2, [("fwd", 10.0, 6.0), ("fwdbwd", 40.0, 22.0)]), report(8, [("fwdbwd", 42.0, 8.4)])])
+    assert [(r["op"], sorted(r["by_cp"])) for r in rows] == [("fwd", [2]), ("fwdbwd", [2, 8])]
+    assert rows[1]["by_cp"][2]["over_single"] == pytest.approx(0.55)
+    assert rows[1]["by_cp"][8] == {"single_ms": 42.0, "ms": 8.4, "over_single": pytest.approx(0.2)}
+    text = format_kcp_scaling(rows, {"emulate": False, "layout": "C"})
+    assert "slowest rank" in text and "(0.200)" in text and text.splitlines()[2].rstrip().endswith("-")
 
 
 def test_cp_devices_on_cpu(tmp_path):
