@@ -237,24 +237,34 @@ def run_kcp(args) -> dict:
                 samples.append(timer.kernel_ms(step, 1)[0])
                 splits.append(_by_kernel(timer.last_kernels))
             ms[k], kernels[k] = statistics.median(samples), median_split(splits)
-        kcp.record()
-        alone, bitwise = [], True
-        for r in range(args.cp):
-            step = kcp.alone(r)
-            for _ in range(max(args.warmup, 1)):
-                step()
-            bitwise = bitwise and step.check()
-            alone.append(statistics.median(timer.kernel_ms(step, 1)[0] for _ in range(args.calls)))
         per_rank = ms["kcp"] / args.cp
-        slowest = max(range(args.cp), key=lambda r: alone[r])
         row = {"shape": name, "single_ms": ms["single"], "kcp_all_ranks_ms": ms["kcp"], "per_rank_ms": per_rank,
                "per_rank_over_single_per_rank": per_rank / (ms["single"] / args.cp),
-               "rank_alone_ms": alone, "slowest_rank": slowest, "slowest_alone_ms": alone[slowest],
-               "slowest_alone_over_single": alone[slowest] / ms["single"], "alone_bitwise": bitwise,
                "comm_bytes_per_rank": kcp.out[0][3], "kernels": kernels}
+        try:  # a failure here leaves the row's threaded timings, and says why
+            row.update(_time_alone(kcp, timer, args, ms["single"]))
+        except Exception as e:  # noqa: BLE001 - reported in the row and the table
+            row.update(rank_alone_ms=None, slowest_rank=None, slowest_alone_ms=None, slowest_alone_over_single=None,
+                       alone_bitwise=None, alone_error=f"{type(e).__name__}: {e}")
         report["results"].append(row)
         del inp, kcp, steps
     return report
+
+
+def _time_alone(kcp: _EmulatedKcp, timer: Timer, args, single_ms: float) -> dict:
+    """Every rank's step alone (``_EmulatedKcp.alone``), each checked bitwise against the
+    threaded step and timed (median kernel_ms over ``args.calls``)."""
+    kcp.record()
+    alone, bitwise = [], True
+    for r in range(kcp.world):
+        step = kcp.alone(r)
+        for _ in range(max(args.warmup, 1)):
+            step()
+        bitwise = bitwise and step.check()
+        alone.append(statistics.median(timer.kernel_ms(step, 1)[0] for _ in range(args.calls)))
+    slowest = max(range(kcp.world), key=lambda r: alone[r])
+    return {"rank_alone_ms": alone, "slowest_rank": slowest, "slowest_alone_ms": alone[slowest],
+            "slowest_alone_over_single": alone[slowest] / single_ms, "alone_bitwise": bitwise}
 
 
 def format_kcp_table(report: dict) -> str:
@@ -266,9 +276,12 @@ def format_kcp_table(report: dict) -> str:
              f"{'slowest':>10s} {'x single':>9s}  bytes per rank per collective"]
     for r in report["results"]:
         comm = ", ".join(f"{k}: {v / 2**20:.2f} MiB" for k, v in r["comm_bytes_per_rank"].items()) or "none"
-        slowest = f"{r['slowest_alone_ms']:10.3f} {r['slowest_alone_over_single']:9.3f}"
-        if not r["alone_bitwise"]:
-            slowest += " (alone NOT the threaded bits)"
+        if r.get("alone_error"):
+            slowest = f"{'-':>10s} {'-':>9s} (alone failed: {r['alone_error']})"
+        else:
+            slowest = f"{r['slowest_alone_ms']:10.3f} {r['slowest_alone_over_single']:9.3f}"
+            if not r["alone_bitwise"]:
+                slowest += " (alone NOT the threaded bits)"
         lines.append(f"{r['shape']:16s} {r['single_ms']:10.3f} {r['kcp_all_ranks_ms']:10.3f} {r['per_rank_ms']:10.3f} "
                      f"{r['per_rank_over_single_per_rank']:10.2f} {slowest}  {comm}")
     lines.append("slowest: the slowest rank alone (ms; rank_alone_ms in the JSON), x single: over the single device")
@@ -301,6 +314,8 @@ def kcp_scaling(reports: list[dict]) -> list[dict]:
         for r in report["results"]:
             if report["meta"]["emulate"]:
                 op, single, ms = "fwdbwd", r["single_ms"], r["slowest_alone_ms"]
+                if ms is None:  # the ranks alone failed (the row says why)
+                    continue
             else:
                 op, single, ms = r["op"], r["single"]["stream_ms"], r["slowest"]["stream_ms"]
             row = rows.setdefault((r["shape"], op), {"shape": r["shape"], "op": op, "by_cp": {}})

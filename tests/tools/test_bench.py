@@ -432,6 +432,24 @@ def test_kcp_rank_alone_is_the_threaded_bits_and_notices_other_collectives():
         kcp.alone(1)()
 
 
+def test_cp_emulate_reports_ranks_alone_that_fail(monkeypatch, capsys):
+    """Ranks alone that fail leave the row's threaded timings and say why, in the row and
+    the table; the scaling curve skips them."""
+    from cake_ops.bench import kcp
+
+    def fail(self):
+        raise RuntimeError("served out of step")
+
+    monkeypatch.setattr(kcp._EmulatedKcp, "record", fail)
+    report = main(["--quick", "--device", "cpu", "--shapes", "q_packed", "--calls", "1", "--warmup", "0", "--cp", "2",
+                   "--emulate", "--align", "1"])
+    (row,) = report["results"]
+    assert row["kcp_all_ranks_ms"] > 0 and row["slowest_alone_ms"] is None
+    assert row["alone_error"] == "RuntimeError: served out of step"
+    assert "alone failed: RuntimeError: served out of step" in capsys.readouterr().out
+    assert kcp.kcp_scaling([report]) == []
+
+
 def test_kcp_scaling_of_device_reports_takes_the_slowest_rank_per_op():
     """The curve of ``--cp N,M`` without ``--emulate``: per (shape, op), the slowest rank's
     stream_ms over that degree's own single-device time."""
