@@ -2,7 +2,8 @@
 and tests: q/k/v projections, the short causal convolution (SiLU) over the packed q/k/v
 channels, the gate ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``,
 GDN with in-op q/k L2 norm, a gated RMSNorm ``rmsnorm(o) * silu(z)`` and the output
-projection.
+projection. With a ``KcpContext`` it runs context parallel: the convolution and GDN by
+``short_conv_kcp`` and ``gdn_kcp``, everything else per token on this rank's rows.
 """
 
 from __future__ import annotations
@@ -13,12 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .kcp import KcpContext, gdn_kcp, short_conv_kcp
 from .ops.gdn import gdn
 from .ops.short_conv import short_conv
 
 
 class GatedDeltaNet(nn.Module):
-    """x: [B, T, hidden] (or [1, T, hidden] with ``cu_seqlens`` for packed documents)."""
+    """x: [B, T, hidden] (or [1, T, hidden] with ``cu_seqlens`` for packed documents; or
+    with ``kcp``, this rank's rows of a global packed row)."""
 
     def __init__(
         self,
@@ -63,19 +66,35 @@ class GatedDeltaNet(nn.Module):
         dt = torch.exp(torch.empty_like(self.dt_bias).uniform_(math.log(1e-3), math.log(0.1)))
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # inverse softplus
 
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        B, T, _ = x.shape
+    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                kcp: KcpContext | None = None) -> torch.Tensor:
+        """``kcp``: context parallel over its group (a collective: every rank calls it). x is
+        then [1, T_r, hidden], this rank's rows of the global packed row (``kcp.shard``),
+        whose documents the context holds (``cu_seqlens`` None). The parameters are
+        replicated and their gradients are this rank's part: sum them over the group (an
+        all-reduce) before the optimizer step, as data parallel does."""
+        if kcp is not None and (cu_seqlens is not None or x.dim() != 3 or x.shape[0] != 1):
+            raise ValueError(f"with kcp, x must be [1, T_r, hidden] (this rank's rows) and cu_seqlens None (the "
+                             f"context holds the documents), got x of shape {tuple(x.shape)} and cu_seqlens "
+                             f"{'None' if cu_seqlens is None else 'given'}")
         H, HV, K, V = self.H, self.HV, self.K, self.V
         qkv = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)
-        qkv = short_conv(qkv, self.conv_weight.to(qkv.dtype), None, cu_seqlens, activation="silu")
+        weight = self.conv_weight.to(qkv.dtype)
+        if kcp is None:
+            qkv = short_conv(qkv, weight, None, cu_seqlens, activation="silu")
+        else:
+            qkv = short_conv_kcp(qkv[0], weight, None, kcp, activation="silu")[None]
         q, k, v = qkv.split([H * K, H * K, HV * V], -1)
         q, k, v = q.unflatten(-1, (H, K)), k.unflatten(-1, (H, K)), v.unflatten(-1, (HV, V))
         beta = self.b_proj(x).sigmoid()
         g = -self.A_log.float().exp() * F.softplus(self.a_proj(x).float() + self.dt_bias.float())
-        o, _ = gdn(
-            q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype), cu_seqlens,
-            use_qk_l2norm=True, deterministic=self.deterministic, save_mode=self.save_mode,
-        )
+        opts = dict(use_qk_l2norm=True, deterministic=self.deterministic, save_mode=self.save_mode)
+        if kcp is None:
+            o, _ = gdn(q.contiguous(), k.contiguous(), v.contiguous(), g, beta.to(q.dtype), cu_seqlens, **opts)
+        else:
+            o, _ = gdn_kcp(q[0].contiguous(), k[0].contiguous(), v[0].contiguous(), g[0], beta[0].to(q.dtype), kcp,
+                           **opts)
+            o = o[None]
         z = self.z_proj(x).unflatten(-1, (HV, V))
         of = o.float()
         of = of * torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.o_norm_weight.float()

@@ -375,3 +375,42 @@ def test_kcp_saved_bytes_are_what_the_call_saves(one_intra_op_thread):
     for rank, pairs in result.items():
         for got, want in pairs:
             assert got == want, (rank, got, want)
+
+
+def _layer_case(rank, world, layout, layer, x, cu, w):
+    """``GatedDeltaNet(x_r, kcp=ctx)`` on this rank's rows against the layer on the whole
+    packed row: the output rows and dx, and the parameters' gradients summed over the ranks."""
+    import copy
+
+    layer = copy.deepcopy(layer)
+    params = list(layer.parameters())
+    x_all = x.clone().requires_grad_(True)
+    y_all = layer(x_all, cu)
+    refs = torch.autograd.grad((y_all * w).sum(), [x_all, *params])
+
+    ctx = build_context_kcp(cu, layout=layout, conv_width=layer.conv_weight.shape[1], align=1)
+    x_r = ctx.shard(x[0])[None].clone().requires_grad_(True)
+    y_r = layer(x_r, kcp=ctx)
+    grads = torch.autograd.grad((y_r * ctx.shard(w[0])[None]).sum(), [x_r, *params])
+    where = f"layout {layout}, rank {rank}/{world}"
+    _close(f"y ({where})", y_r[0], ctx.shard(y_all[0].detach()))
+    _close(f"dx ({where})", grads[0][0], ctx.shard(refs[0][0]))
+    for (name, _), g_, r_ in zip(layer.named_parameters(), grads[1:], refs[1:]):
+        _close(f"d{name} ({where})", _sum_over_ranks(g_), r_)
+    with pytest.raises(ValueError, match="with kcp, x must be"):
+        layer(x_r, cu, kcp=ctx)
+
+
+@pytest.mark.parametrize("layout", ["C", "D"])
+def test_gated_deltanet_layer_with_kcp_matches_the_whole_row(one_intra_op_thread, layout):
+    """The layer context parallel (short_conv_kcp and gdn_kcp inside, the rest per token)
+    on three rank threads: documents crossing the ranks (layout D: each over every rank)."""
+    from cake_ops import GatedDeltaNet
+    from cake_ops.testing import run_rank_threads
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(48, 1, 2, head_k_dim=K, head_v_dim=V)
+    lengths = [130, 3, 0, 97]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    x, w = torch.randn(1, sum(lengths), 48), torch.randn(1, sum(lengths), 48)
+    run_rank_threads(_layer_case, 3, layout, layer, x, cu, w, timeout=300)
