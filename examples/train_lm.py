@@ -6,6 +6,7 @@
     PYTHONPATH=. python examples/train_lm.py --checkpoint          # each block under non-reentrant checkpoint
     PYTHONPATH=. python examples/train_lm.py --cuda-graph          # CUDA: the compiled step replays CUDA graphs
     PYTHONPATH=. python examples/train_lm.py --trace out/trace     # torch.profiler trace of steps 2-4
+    PYTHONPATH=. python examples/train_lm.py --cp 2                # context parallel over 2 ranks (eager)
 
 Model: Embedding -> n_layers x [RMSNorm -> cake_ops.GatedDeltaNet -> +, RMSNorm -> SwiGLU
 -> +] -> RMSNorm -> LM head. Data: the paragraphs of ``examples/data/fables.txt``, one
@@ -15,6 +16,16 @@ length <= --max-doc-len) into one row of exactly T tokens described by ``cu_seql
 end, i.e. repeated T) so every step has the same shapes and the compiled model never
 recompiles. The loss is next-character cross entropy inside each document: the target
 that would cross a document boundary is masked out.
+
+--cp N: context parallel (``cake_ops.kcp``). N ranks (spawned processes: gloo on the CPU,
+NCCL one GPU a rank; or torchrun's, ``torchrun --nproc-per-node N examples/train_lm.py
+--cp N``) draw the same packed row, each takes its rows of it (``KcpContext.shard``), and
+every GatedDeltaNet layer runs ``short_conv_kcp`` and ``gdn_kcp`` on them, the rest of the
+model per token. The loss is each rank's sum over its targets divided by the row's count,
+so the ranks' losses and gradients add up to the one-process ones: the gradients are
+all-reduced before the optimizer step, as data parallel does. At step 0 every rank also
+runs the model on the whole row and checks that the all-reduced loss and gradients match
+it (the script fails otherwise). Eager: each step's documents make a new plan.
 
 --trace writes a trace that TensorBoard's profiler plugin (torch-tb-profiler) opens, and
 prints each cake stage's time per step: the CUDA ops launch every stage's kernels under a
@@ -33,14 +44,17 @@ import math
 import os
 import random
 import sys
+import tempfile
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import cake_ops
+from cake_ops.kcp import build_context_kcp
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fables.txt")
 BOS = "\n"  # paragraphs are single lines, so a newline can mark a document's start
@@ -158,8 +172,8 @@ class Block(nn.Module):
         self.norm2 = RMSNorm(args.hidden)
         self.mlp = SwiGLU(args.hidden, args.mlp_hidden)
 
-    def forward(self, x, cu_seqlens):
-        x = x + self.mixer(self.norm1(x), cu_seqlens)
+    def forward(self, x, cu_seqlens, kcp=None):
+        x = x + self.mixer(self.norm1(x), cu_seqlens, kcp)
         return x + self.mlp(self.norm2(x))
 
 
@@ -182,19 +196,22 @@ class GDNLanguageModel(nn.Module):
             self.head.weight = self.embed.weight
         self.checkpoint = args.checkpoint
 
-    def forward(self, idx, cu_seqlens=None, targets=None):
-        """idx: [1, T] (packed documents described by cu_seqlens) or [B, T]. Returns the
-        logits, or the mean next-token loss over the unmasked targets when given."""
+    def forward(self, idx, cu_seqlens=None, targets=None, kcp=None):
+        """idx: [1, T] (packed documents described by cu_seqlens) or [B, T]; with ``kcp``
+        [1, T_r], this rank's rows of the packed row. Returns the logits, or with targets
+        the mean next-token loss over the unmasked ones (with ``kcp`` their sum: the
+        caller divides by the row's count)."""
         x = self.embed(idx)
         for block in self.blocks:
             if self.checkpoint and self.training:
-                x = checkpoint(block, x, cu_seqlens, use_reentrant=False)
+                x = checkpoint(block, x, cu_seqlens, kcp, use_reentrant=False)
             else:
-                x = block(x, cu_seqlens)
+                x = block(x, cu_seqlens, kcp)
         logits = self.head(self.norm(x)).float()
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE)
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE,
+                               reduction="mean" if kcp is None else "sum")
 
 
 # ----------------------------------------------------------------------------- training
@@ -229,8 +246,8 @@ def parse_args():
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=None, help="training steps (device default)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile(model, fullgraph=True)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
+                   help="torch.compile(model, fullgraph=True) (default: on, but off with --cp)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend, e.g. inductor or aot_eager")
     p.add_argument("--checkpoint", action="store_true",
                    help="each block under non-reentrant torch.utils.checkpoint (its activations recomputed in backward)")
@@ -245,6 +262,14 @@ def parse_args():
                    help="CPU threads for torch (0: torch's default). On an idle 2-core machine 2 threads are "
                         "~1.4x faster for this small model, but 5-10x slower as soon as other processes compete "
                         "for the cores (OpenMP threads spin against each other); 1 keeps the run time predictable")
+    p.add_argument("--cp", type=int, default=1, metavar="N",
+                   help="context parallel over N ranks (cake_ops.kcp; module docstring)")
+    p.add_argument("--cp-layout", default="C", choices=("C", "Z", "D"), help="with --cp: build_context_kcp's layout")
+    p.add_argument("--cp-align", type=int, default=1,
+                   help="with --cp: build_context_kcp's align. 1 cuts the row at exact token counts, so this "
+                        "example's short documents cross ranks; GRID_ALIGN (4096), the library's default, keeps "
+                        "deterministic KCP bitwise the single GPU but moves each cut to a 4096-token mark of its "
+                        "document, past every document this example draws")
     p.add_argument("--data", default=DATA)
     for name in ("hidden", "layers", "heads", "v_heads", "head_dim", "seq_len", "max_docs", "max_doc_len", "log_every"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None, help="(device default)")
@@ -260,6 +285,12 @@ def parse_args():
     p.add_argument("--prompt", default="The fox")
     args = p.parse_args()
     kind = torch.device(args.device).type
+    if args.cp < 1:
+        p.error("--cp N needs N >= 1")
+    if args.cp > 1 and (args.compile or args.cuda_graph or args.trace):
+        p.error("--cp runs eager (each step's documents make a new KCP plan): without --compile, --cuda-graph, --trace")
+    if args.compile is None:
+        args.compile = args.cp == 1
     for k, v in DEFAULTS["cuda" if kind == "cuda" else "cpu"].items():
         if getattr(args, k) is None:
             setattr(args, k, v)
@@ -295,10 +326,85 @@ def stage_table(prof, steps: int, on_cuda: bool) -> str:
     return "\n".join(lines)
 
 
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    err = (got.double() - want.double()).pow(2).mean().sqrt()
+    return float(err / want.double().pow(2).mean().sqrt().clamp_min(1e-30))
+
+
+def all_reduce_grads(model) -> None:
+    """Sums the parameters' gradients over the ranks (each rank's is the part of its own
+    rows), in one collective."""
+    params = list(model.parameters())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.flatten() for g in grads])
+    dist.all_reduce(flat)
+    for p, g in zip(params, flat.split([g.numel() for g in grads])):
+        p.grad = g.view_as(p)
+
+
+def rank_entry(rank: int, args, store_path: str) -> None:
+    """A spawned rank of --cp N: its process group, then the training."""
+    backend = "nccl" if args.device.startswith("cuda") else "gloo"
+    device_id = None
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    dist.init_process_group(backend, store=dist.FileStore(store_path, args.cp), rank=rank, world_size=args.cp,
+                            device_id=device_id)
+    try:
+        code = train(args)
+    finally:
+        dist.destroy_process_group()
+    if code:
+        sys.exit(code)
+
+
+def cp_step_matches(model, loss, whole_loss, whole_grads, on_cuda: bool, log) -> bool:
+    """--cp's check at step 0: the ranks' summed loss and gradients against the model on
+    the whole row in this process (fp32 on the CPU: only the order of operations differs;
+    bf16 autocast on CUDA)."""
+    tol = 3e-2 if on_cuda else 1e-4
+    dloss = abs(loss.item() - whole_loss.item()) / abs(whole_loss.item())
+    worst = max(rel_rms(p.grad, w) for p, w in zip(model.parameters(), whole_grads))
+    ok = dloss <= tol and worst <= tol
+    log(f"step 0 with KCP against one process on the whole row: loss rel. difference {dloss:.1e}, "
+        f"worst gradient rel-RMS {worst:.1e} (tolerance {tol:.0e}){'' if ok else ': FAIL'}", flush=True)
+    return ok
+
+
 def main() -> int:
-    t_start = time.perf_counter()
     args = parse_args()
+    if args.cp == 1 or "WORLD_SIZE" in os.environ:  # one process, or torchrun's ranks
+        return train(args)
+    from cake_ops.testing import run_spawned
+
+    if args.device.startswith("cuda") and torch.cuda.device_count() < args.cp:
+        print(f"--cp {args.cp} on CUDA needs {args.cp} GPUs, this machine has {torch.cuda.device_count()}",
+              file=sys.stderr)
+        return 1
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            run_spawned(rank_entry, args.cp, (args, os.path.join(tmp, "store")), timeout=3600)
+        except Exception as e:  # a rank's failure: its traceback or exit code
+            print(f"FAIL: {type(e).__name__}: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def train(args) -> int:
+    t_start = time.perf_counter()
+    cp = args.cp > 1
+    if cp and not dist.is_initialized():  # under torchrun
+        if args.device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+    if cp and dist.get_world_size() != args.cp:
+        raise SystemExit(f"--cp {args.cp} with a process group of {dist.get_world_size()} ranks")
+    rank = dist.get_rank() if cp else 0
+    log = print if rank == 0 else (lambda *a, **k: None)
     device = torch.device(args.device)
+    if cp and device.type == "cuda":
+        device = torch.device("cuda", torch.cuda.current_device())
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
@@ -309,16 +415,17 @@ def main() -> int:
     data = CharData(args.data)
     model = GDNLanguageModel(args, data.vocab_size).to(device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"data: {len(data.docs)} documents, {data.num_chars} characters, vocab {data.vocab_size}")
-    print(f"model: {n_params / 1e6:.2f}M parameters, hidden {args.hidden}, {args.layers} layers, "
-          f"H={args.heads} HV={args.v_heads} head dim {args.head_dim}, SwiGLU {args.mlp_hidden}, "
-          f"{'tied' if args.tie_embeddings else 'untied'} head")
-    print(f"run: device {device}{' (bf16 autocast)' if on_cuda else ' (fp32)'}, T={args.seq_len} tokens/step, "
-          f"cu_seqlens of {args.max_docs + 1} entries, docs truncated to [{args.min_doc_len}, {args.max_doc_len}], "
-          f"{args.steps} steps, lr {args.lr} (warmup {args.warmup}, cosine), "
-          f"{'torch.compile(fullgraph=True, backend=' + repr(args.backend) + ')' if args.compile else 'eager'}"
-          f"{', CUDA graphs' if args.cuda_graph else ''}{', blocks checkpointed' if args.checkpoint else ''}, "
-          f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    log(f"data: {len(data.docs)} documents, {data.num_chars} characters, vocab {data.vocab_size}")
+    log(f"model: {n_params / 1e6:.2f}M parameters, hidden {args.hidden}, {args.layers} layers, "
+        f"H={args.heads} HV={args.v_heads} head dim {args.head_dim}, SwiGLU {args.mlp_hidden}, "
+        f"{'tied' if args.tie_embeddings else 'untied'} head")
+    log(f"run: device {device}{' (bf16 autocast)' if on_cuda else ' (fp32)'}, T={args.seq_len} tokens/step, "
+        f"cu_seqlens of {args.max_docs + 1} entries, docs truncated to [{args.min_doc_len}, {args.max_doc_len}], "
+        f"{args.steps} steps, lr {args.lr} (warmup {args.warmup}, cosine), "
+        f"{'torch.compile(fullgraph=True, backend=' + repr(args.backend) + ')' if args.compile else 'eager'}"
+        f"{', CUDA graphs' if args.cuda_graph else ''}{', blocks checkpointed' if args.checkpoint else ''}, "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads"
+        f"{f', context parallel over {args.cp} ranks (layout {args.cp_layout}, align {args.cp_align})' if cp else ''}")
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -355,17 +462,33 @@ def main() -> int:
     model.train()
     for step in range(args.steps):
         tokens, targets, cu, n_docs = pack_batch(data, rng, args.seq_len, args.max_docs, args.min_doc_len, args.max_doc_len)
+        if cp:  # the same row on every rank: its plan and this rank's rows of it
+            kcp = build_context_kcp(cu.tolist(), layout=args.cp_layout, device=device, align=args.cp_align)
+            n_targets = int((targets != IGNORE).sum())
         tokens = tokens[None].to(device, non_blocking=True)
         targets = targets[None].to(device, non_blocking=True)
         cu = cu.to(device, non_blocking=True)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
+        if cp and step == 0:
+            with amp():
+                whole_loss = model(tokens, cu, targets)
+            whole_grads = torch.autograd.grad(whole_loss, list(model.parameters()))
         t0 = time.perf_counter()
         if args.cuda_graph:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are dead
         with amp():
-            loss = step_model(tokens, cu, targets)
+            if cp:
+                loss = step_model(kcp.shard(tokens[0])[None], None, kcp.shard(targets[0])[None], kcp) / n_targets
+            else:
+                loss = step_model(tokens, cu, targets)
         loss.backward()
+        if cp:
+            all_reduce_grads(model)
+            loss = loss.detach().clone()
+            dist.all_reduce(loss)
+            if step == 0 and not cp_step_matches(model, loss, whole_loss, whole_grads, on_cuda, log):
+                return 1
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -379,8 +502,8 @@ def main() -> int:
         ema = value if ema is None else 0.9 * ema + 0.1 * value
         if step == 0:
             first_step_s = time.perf_counter() - t0
-            print(f"step    0 | loss {value:.4f} | first step {first_step_s:.1f}s"
-                  f"{' (includes compiling forward + backward)' if args.compile else ''}", flush=True)
+            log(f"step    0 | loss {value:.4f} | first step {first_step_s:.1f}s"
+                f"{' (includes compiling forward + backward)' if args.compile else ''}", flush=True)
             t_log = time.perf_counter()
             tokens_since_log = 0
             continue
@@ -390,49 +513,54 @@ def main() -> int:
             return 1
         last = step == args.steps - 1
         over_budget = args.time_budget > 0 and time.perf_counter() - t_start > args.time_budget
+        if cp:  # rank 0's clock decides for every rank: they stop at the same step
+            flag = torch.tensor([float(over_budget)], device=device)
+            dist.broadcast(flag, 0)
+            over_budget = bool(flag.item())
         if step % args.log_every == 0 or last or over_budget:
             now = time.perf_counter()
-            print(f"step {step:4d} | loss {value:.4f} | ema {ema:.4f} | lr {lr_at(step, args):.2e} | "
-                  f"{tokens_since_log / (now - t_log):,.0f} tok/s | {now - t_start:5.1f}s", flush=True)
+            log(f"step {step:4d} | loss {value:.4f} | ema {ema:.4f} | lr {lr_at(step, args):.2e} | "
+                f"{tokens_since_log / (now - t_log):,.0f} tok/s | {now - t_start:5.1f}s", flush=True)
             t_log, tokens_since_log = now, 0
         if over_budget and not last:
-            print(f"time budget of {args.time_budget:.0f}s exceeded: stopping after step {step}")
+            log(f"time budget of {args.time_budget:.0f}s exceeded: stopping after step {step}")
             stopped_early = True
             break
 
     t_train_end = time.perf_counter()
     k = max(1, min(args.smooth, len(losses) // 2))
     first, final = sum(losses[:k]) / k, sum(losses[-k:]) / k
-    print(f"\ntrained {len(losses)} steps ({len(losses) * args.seq_len:,} tokens, {docs_seen} documents)"
-          f"{' (stopped early)' if stopped_early else ''}; first step {first_step_s:.1f}s, "
-          f"total {t_train_end - t_start:.1f}s since start")
+    log(f"\ntrained {len(losses)} steps ({len(losses) * args.seq_len:,} tokens, {docs_seen} documents)"
+        f"{' (stopped early)' if stopped_early else ''}; first step {first_step_s:.1f}s, "
+        f"total {t_train_end - t_start:.1f}s since start")
     if args.compile:
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        print(f"compiled graphs: {frames} (recompiles would have raised)")
-    print(f"loss: step 0 {losses[0]:.4f}, first {k} steps mean {first:.4f} -> last {k} steps mean {final:.4f}"
-          f" (uniform would be ln(V) = {math.log(data.vocab_size):.4f})")
+        log(f"compiled graphs: {frames} (recompiles would have raised)")
+    log(f"loss: step 0 {losses[0]:.4f}, first {k} steps mean {first:.4f} -> last {k} steps mean {final:.4f}"
+        f" (uniform would be ln(V) = {math.log(data.vocab_size):.4f})")
     if on_cuda:
-        print(f"peak memory: {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB allocated "
-              f"({'blocks under checkpoint' if args.checkpoint else 'no checkpoint'}"
-              f"{', CUDA graphs' if args.cuda_graph else ''})")
+        log(f"peak memory{' of rank 0' if cp else ''}: {torch.cuda.max_memory_allocated(device) / 2**20:,.0f} MiB allocated "
+            f"({'blocks under checkpoint' if args.checkpoint else 'no checkpoint'}"
+            f"{', CUDA graphs' if args.cuda_graph else ''})")
     if prof is not None:
-        print(f"trace of steps {TRACE_STEPS[0]}-{TRACE_STEPS[1] - 1} in {args.trace} (tensorboard --logdir {args.trace})")
-        print(stage_table(prof, TRACE_STEPS[1] - TRACE_STEPS[0], on_cuda))
+        log(f"trace of steps {TRACE_STEPS[0]}-{TRACE_STEPS[1] - 1} in {args.trace} (tensorboard --logdir {args.trace})")
+        log(stage_table(prof, TRACE_STEPS[1] - TRACE_STEPS[0], on_cuda))
 
-    model.eval()
-    gen = torch.Generator().manual_seed(args.seed)
-    prompt = BOS + args.prompt
-    t0 = time.perf_counter()
-    greedy = generate(model, data, prompt, args.gen_chars, 0.0, gen, device, amp)
-    sampled = generate(model, data, prompt, args.gen_chars, 0.8, gen, device, amp)
-    print(f"greedy : {greedy[len(BOS):]!r}")
-    print(f"sampled: {sampled[len(BOS):]!r}  (temperature 0.8)")
-    print(f"generation {time.perf_counter() - t0:.1f}s; total wall {time.perf_counter() - t_start:.1f}s")
+    if rank == 0:  # the trained parameters are the same on every rank
+        model.eval()
+        gen = torch.Generator().manual_seed(args.seed)
+        prompt = BOS + args.prompt
+        t0 = time.perf_counter()
+        greedy = generate(model, data, prompt, args.gen_chars, 0.0, gen, device, amp)
+        sampled = generate(model, data, prompt, args.gen_chars, 0.8, gen, device, amp)
+        log(f"greedy : {greedy[len(BOS):]!r}")
+        log(f"sampled: {sampled[len(BOS):]!r}  (temperature 0.8)")
+        log(f"generation {time.perf_counter() - t0:.1f}s; total wall {time.perf_counter() - t_start:.1f}s")
 
     if not (math.isfinite(final) and final < first):
         print(f"FAIL: final smoothed loss {final:.4f} is not below the initial {first:.4f}", file=sys.stderr)
         return 1
-    print("OK: loss went down")
+    log("OK: loss went down")
     return 0
 
 
