@@ -26,9 +26,11 @@ with their autograd, so they trace into a compiled graph as the op does:
 chunking is its own, and the math is the same for any. ``cu_seqlens_cpu`` and
 ``chunk_indices`` are accepted and ignored (cake never reads ``cu_seqlens`` on the host and
 plans its own chunks), as are FlashQLA's ``auto_cp``, ``enable_fwd_cp_cache`` and
-``force_intra_cp`` (cake cuts long documents by its own plan). ``cp_context`` (FLA's or
-FlashQLA's context parallel) is refused (cake's is ``cake_ops.kcp``), as is
-``head_first=True``. Cake's own keywords: ``deterministic`` (default True), ``save_mode`` (default
+``force_intra_cp`` (cake cuts long documents by its own plan). ``cp_context``: context
+parallel as FLA's call takes it (q, k, v, g, beta this rank's rows, [1, T_r, ...], no
+``cu_seqlens``), with cake's context (``cake_ops.kcp.build_context_kcp`` in place of
+``fla.ops.cp.build_cp_context``): the call runs ``gdn_kcp``, the input options as above;
+FLA's or FlashQLA's own context objects are refused, as is ``head_first=True``. Cake's own keywords: ``deterministic`` (default True), ``save_mode`` (default
 ``"light"``), ``recompute_output`` (default ``"auto"``), ``reuse_recompute_tapes`` (default
 None) and ``graph`` (default ``"off"``); see ``cake_ops.gdn``.
 """
@@ -40,6 +42,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from .kcp import KcpContext, gdn_kcp
 from .ops.gdn import gdn
 
 
@@ -87,7 +90,15 @@ def chunk_gated_delta_rule(
     if head_first:
         raise ValueError("head_first=True is not supported: pass q, k, v as [B, T, H, D]")
     if cp_context is not None:
-        raise ValueError("cp_context (FLA's or FlashQLA's context parallel) is not supported: use cake_ops.kcp")
+        if not isinstance(cp_context, KcpContext):
+            raise ValueError(f"cp_context must be cake's context parallel context (cake_ops.kcp.build_context_kcp), "
+                             f"got {type(cp_context).__name__}: FLA's and FlashQLA's are not supported")
+        if cu_seqlens is not None or q.dim() != 4 or q.shape[0] != 1:
+            raise ValueError("with cp_context, q, k, v, g, beta are this rank's rows, [1, T_r, ...], and cu_seqlens "
+                             "is None (the context holds the documents)")
+        if (recompute_output, reuse_recompute_tapes, graph) != ("auto", None, "off"):
+            raise ValueError("with cp_context, recompute_output, reuse_recompute_tapes and graph keep their defaults "
+                             "(gdn_kcp's walks take save_mode; graph replay is build_context_kcp's graph_replay)")
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"chunk_size must be 16, 32 or 64, got {chunk_size}")
     if q.dim() != 4:
@@ -117,18 +128,30 @@ def chunk_gated_delta_rule(
         raise ValueError("allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True")
     if state_v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).contiguous()
-    o, final_state = gdn(
-        q, k, v, g, beta, cu_seqlens,
-        scale=scale,
-        initial_state=initial_state,
-        output_final_state=output_final_state,
-        use_qk_l2norm=use_qk_l2norm_in_kernel,
-        deterministic=deterministic,
-        save_mode=save_mode,
-        recompute_output=recompute_output,
-        reuse_recompute_tapes=reuse_recompute_tapes,
-        graph=graph,
-    )
+    if cp_context is not None:
+        o, final_state = gdn_kcp(
+            q[0], k[0], v[0], g[0], beta[0], cp_context,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
+            deterministic=deterministic,
+            save_mode=save_mode,
+        )
+        o = o[None]
+    else:
+        o, final_state = gdn(
+            q, k, v, g, beta, cu_seqlens,
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+            use_qk_l2norm=use_qk_l2norm_in_kernel,
+            deterministic=deterministic,
+            save_mode=save_mode,
+            recompute_output=recompute_output,
+            reuse_recompute_tapes=reuse_recompute_tapes,
+            graph=graph,
+        )
     if state_v_first and final_state is not None:
         final_state = final_state.transpose(-1, -2).contiguous()
     return o, final_state

@@ -414,3 +414,51 @@ def test_gated_deltanet_layer_with_kcp_matches_the_whole_row(one_intra_op_thread
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     x, w = torch.randn(1, sum(lengths), 48), torch.randn(1, sum(lengths), 48)
     run_rank_threads(_layer_case, 3, layout, layer, x, cu, w, timeout=300)
+
+
+def _fla_case(rank, world, inp, options):
+    """cake_ops.chunk_gated_delta_rule with cp_context=ctx on this rank's rows ([1, T_r,
+    ...], as FLA's context parallel call takes them) against the drop-in on the whole row:
+    outputs, final states, and every gradient (the replicated ones summed over the ranks)."""
+    from cake_ops import chunk_gated_delta_rule
+
+    names = ("q", "k", "v", "g", "beta")
+    extra = {n: inp[n] for n in ("A_log", "dt_bias", "initial_state")}
+    cu = inp["cu_seqlens"]
+    whole = [inp[n][None].clone().requires_grad_(True) for n in names]
+    reps = {n: x.clone().requires_grad_(True) for n, x in extra.items()}
+    o_all, ht_all = chunk_gated_delta_rule(*whole, cu_seqlens=cu, output_final_state=True, **reps, **options)
+    do = torch.randn(o_all.shape, generator=torch.Generator().manual_seed(3))
+    refs = torch.autograd.grad((o_all * do).sum() + ht_all.sum(), [*whole, *reps.values()])
+
+    ctx = build_context_kcp(cu, layout="D", align=1)
+    local = [ctx.shard(inp[n])[None].clone().requires_grad_(True) for n in names]
+    mine = {n: x.clone().requires_grad_(True) for n, x in extra.items()}
+    o, ht = chunk_gated_delta_rule(*local, cp_context=ctx, output_final_state=True, **mine, **options)
+    loss = (o * ctx.shard(do[0])[None]).sum() + (ht.sum() if rank == 0 else 0)
+    grads = torch.autograd.grad(loss, [*local, *mine.values()])
+    where = f"rank {rank}/{world}"
+    _close(f"o ({where})", o[0], ctx.shard(o_all[0].detach()))
+    _close(f"final state ({where})", ht, ht_all.detach())
+    for name, g_, r_ in zip(names, grads, refs):
+        _close(f"d{name} ({where})", g_[0], ctx.shard(r_[0]))
+    for name, g_, r_ in zip(extra, grads[5:], refs[5:]):
+        _close(f"d{name} ({where})", _sum_over_ranks(g_), r_)
+    with pytest.raises(ValueError, match="cu_seqlens is None"):
+        chunk_gated_delta_rule(*local, cp_context=ctx, cu_seqlens=ctx.cu_seqlens, **options)
+
+
+def test_fla_drop_in_takes_a_kcp_context(one_intra_op_thread):
+    """The FLA drop-in's cp_context: a cake KcpContext runs gdn_kcp behind FLA's call, its
+    input options (the gate in kernel, beta's sigmoid, state_v_first) around it."""
+    from cake_ops.testing import run_rank_threads
+
+    lengths, H, HV = [130, 3, 0, 97], 1, 2
+    inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=8)
+    gen = torch.Generator().manual_seed(9)
+    inp["A_log"], inp["dt_bias"] = torch.rand(HV, generator=gen), torch.randn(HV, generator=gen)
+    inp["g"] = torch.randn(inp["g"].shape, generator=gen)  # the raw gate input
+    inp["beta"] = torch.randn(inp["beta"].shape, generator=gen)  # logits
+    options = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
+                   use_qk_l2norm_in_kernel=True)
+    run_rank_threads(_fla_case, 3, inp, options, timeout=300)
