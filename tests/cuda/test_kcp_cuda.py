@@ -286,3 +286,46 @@ def _aligned_fragments(cu, world, layout):
             if f.doc >= 0:
                 per_doc[f.doc].append(f.tokens)
     return per_doc
+
+
+def _layer_case(rank, world, layer, x, cu, w):
+    """GatedDeltaNet(x_r, kcp=ctx) under bf16 autocast against the layer on the whole row:
+    output rows, dx and the parameters' gradients summed over the ranks, within the
+    contract (two bf16 computations of the same model)."""
+    import copy
+
+    layer = copy.deepcopy(layer)
+    params = list(layer.parameters())
+    x_all = x.clone().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_all = layer(x_all, cu)
+    refs = torch.autograd.grad((y_all.float() * w).sum(), [x_all, *params])
+    ctx = build_context_kcp(cu.cpu(), layout="D", device="cuda", align=1)
+    x_r = ctx.shard(x[0])[None].clone().requires_grad_(True)
+    with torch.autocast("cuda", dtype=torch.bfloat16):  # (no NaN poisoning: it would make cuBLAS refuse)
+        y_r = layer(x_r, kcp=ctx)
+    grads = torch.autograd.grad((y_r.float() * ctx.shard(w[0])[None]).sum(), [x_r, *params])
+    checks = [("y", y_r[0], ctx.shard(y_all[0].detach())), ("dx", grads[0][0], ctx.shard(refs[0][0]))]
+    for (name, _), g_, r_ in zip(layer.named_parameters(), grads[1:], refs[1:]):
+        g_ = g_.clone()
+        dist.all_reduce(g_)
+        checks.append((f"d{name}", g_, r_))
+    for name, got, want in checks:
+        acc = accuracy(got, want)
+        record_accuracy(f"kcp layer {name} vs the whole row", acc)
+        assert acc.ok, (name, rank, acc)
+
+
+@pytest.mark.gpu
+def test_gated_deltanet_layer_with_kcp_on_the_cuda_kernels():
+    """The layer context parallel on three rank threads of one GPU (layout D: every
+    document over every rank), head dims 128 and GVA 3, so GDN and the convolution run on
+    the CUDA kernels."""
+    from cake_ops import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(256, 2, 6).cuda()
+    lengths = [5000, 700, 2100]
+    cu = torch.tensor([0, 5000, 5700, 7800], dtype=torch.int32, device="cuda")
+    x, w = torch.randn(1, sum(lengths), 256, device="cuda"), torch.randn(1, sum(lengths), 256, device="cuda")
+    run_rank_threads(_layer_case, 3, layer, x, cu, w, timeout=300)
