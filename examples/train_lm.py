@@ -374,8 +374,16 @@ def cp_step_matches(model, loss, whole_loss, whole_grads, on_cuda: bool, log) ->
 
 def main() -> int:
     args = parse_args()
-    if args.cp == 1 or "WORLD_SIZE" in os.environ:  # one process, or torchrun's ranks
+    if args.cp == 1:
         return train(args)
+    if "WORLD_SIZE" in os.environ:  # torchrun's ranks
+        if args.device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        try:
+            return train(args)
+        finally:
+            dist.destroy_process_group()
     from cake_ops.testing import run_spawned
 
     if args.device.startswith("cuda") and torch.cuda.device_count() < args.cp:
@@ -394,10 +402,6 @@ def main() -> int:
 def train(args) -> int:
     t_start = time.perf_counter()
     cp = args.cp > 1
-    if cp and not dist.is_initialized():  # under torchrun
-        if args.device.startswith("cuda"):
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
     if cp and dist.get_world_size() != args.cp:
         raise SystemExit(f"--cp {args.cp} with a process group of {dist.get_world_size()} ranks")
     rank = dist.get_rank() if cp else 0

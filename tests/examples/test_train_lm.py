@@ -59,6 +59,17 @@ def test_example_trains_context_parallel_on_cpu(flags):
     assert f"context parallel over {flags[1]} ranks" in out
 
 
+def test_example_trains_context_parallel_under_torchrun():
+    """--cp 2 under torchrun: the ranks and the rendezvous are torchrun's."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(SCRIPT),
+                          "--device", "cpu", "--cp", "2", *QUICK], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=600)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out[-4000:]
+    assert "step 0 with KCP against one process on the whole row" in out and "OK: loss went down" in out, out[-4000:]
+
+
 def test_example_refuses_context_parallel_compiled():
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     res = subprocess.run([sys.executable, str(SCRIPT), "--device", "cpu", "--cp", "2", "--compile"], cwd=ROOT, env=env,
