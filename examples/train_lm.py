@@ -25,7 +25,8 @@ model per token. The loss is each rank's sum over its targets divided by the row
 so the ranks' losses and gradients add up to the one-process ones: the gradients are
 all-reduced before the optimizer step, as data parallel does. At step 0 every rank also
 runs the model on the whole row and checks that the all-reduced loss and gradients match
-it (the script fails otherwise). Eager: each step's documents make a new plan.
+it (the script fails otherwise). Eager by default: each step's documents make a new plan, which a compiled
+model (``--compile``) recompiles for until Dynamo takes the plan's sizes as dynamic.
 
 --trace writes a trace that TensorBoard's profiler plugin (torch-tb-profiler) opens, and
 prints each cake stage's time per step: the CUDA ops launch every stage's kernels under a
@@ -247,7 +248,8 @@ def parse_args():
     p.add_argument("--steps", type=int, default=None, help="training steps (device default)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
-                   help="torch.compile(model, fullgraph=True) (default: on, but off with --cp)")
+                   help="torch.compile(model, fullgraph=True) (default: on, but off with --cp, where each step's "
+                        "new plan recompiles until Dynamo takes its sizes as dynamic)")
     p.add_argument("--backend", default="inductor", help="torch.compile backend, e.g. inductor or aot_eager")
     p.add_argument("--checkpoint", action="store_true",
                    help="each block under non-reentrant torch.utils.checkpoint (its activations recomputed in backward)")
@@ -287,8 +289,8 @@ def parse_args():
     kind = torch.device(args.device).type
     if args.cp < 1:
         p.error("--cp N needs N >= 1")
-    if args.cp > 1 and (args.compile or args.cuda_graph or args.trace):
-        p.error("--cp runs eager (each step's documents make a new KCP plan): without --compile, --cuda-graph, --trace")
+    if args.cp > 1 and (args.cuda_graph or args.trace):
+        p.error("--cp takes neither --cuda-graph (each step's documents make a new KCP plan) nor --trace")
     if args.compile is None:
         args.compile = args.cp == 1
     for k, v in DEFAULTS["cuda" if kind == "cuda" else "cpu"].items():
@@ -439,7 +441,9 @@ def train(args) -> int:
     )
 
     if args.compile:
-        torch._dynamo.config.error_on_recompile = True  # static shapes: any recompile is a bug
+        # Static shapes: any recompile is a bug. Under --cp each step's plan is new, and
+        # Dynamo recompiles until it takes the plan's sizes as dynamic.
+        torch._dynamo.config.error_on_recompile = not cp
         step_model = torch.compile(model, fullgraph=True, backend=args.backend,
                                    mode="reduce-overhead" if args.cuda_graph else None)
     else:
@@ -539,7 +543,7 @@ def train(args) -> int:
         f"total {t_train_end - t_start:.1f}s since start")
     if args.compile:
         frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-        log(f"compiled graphs: {frames} (recompiles would have raised)")
+        log(f"compiled graphs: {frames}{'' if cp else ' (recompiles would have raised)'}")
     log(f"loss: step 0 {losses[0]:.4f}, first {k} steps mean {first:.4f} -> last {k} steps mean {final:.4f}"
         f" (uniform would be ln(V) = {math.log(data.vocab_size):.4f})")
     if on_cuda:

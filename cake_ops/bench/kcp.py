@@ -139,8 +139,8 @@ class _Collectives:
         self.calls = {}
 
         def make(name, fn):
-            def recorded(x, *args):
-                y = fn(x, *args)
+            def recorded(x, *args, **kwargs):
+                y = fn(x, *args, **kwargs)
                 self.calls.setdefault(args[-1].rank, []).append((name, tuple(x.shape), y))
                 return y
             return recorded
@@ -152,7 +152,7 @@ class _Collectives:
         calls, at = self.calls.get(rank, []), 0
 
         def make(name, fn):
-            def served(x, *args):
+            def served(x, *args, **kwargs):
                 nonlocal at
                 if at >= len(calls) or calls[at][:2] != (name, tuple(x.shape)):
                     want = calls[at][:2] if at < len(calls) else "none"

@@ -5,6 +5,13 @@ the group passed by name), so that torch.compile traces them.
 is a sum over the ranks of each rank's block, which a reduce-scatter would form in an
 order of the backend's choosing; here each rank receives its blocks from every rank by an
 all-to-all and adds them in rank order, so the gradients are bitwise reproducible.
+
+A collective of a backward takes an ``after`` gradient: traced (torch.compile), its input
+is made to depend on it. AOTAutograd's min-cut partitioner (the default of inductor and
+aot_eager) computes in the forward every node that no gradient reaches, collectives
+included; a rank with nothing to send (say, no sink fragment) would then run that
+backward collective in its forward while the others run it in their backward, and the
+ranks would wait on each other for ever.
 """
 
 from __future__ import annotations
@@ -21,16 +28,24 @@ def _wait(t: torch.Tensor) -> torch.Tensor:
     return t.wait() if isinstance(t, funcol.AsyncCollectiveTensor) else t
 
 
-def gather(x: torch.Tensor, ctx) -> torch.Tensor:
+def _after(x: torch.Tensor, after: torch.Tensor | None) -> torch.Tensor:
+    """``x``, traced as depending on ``after`` (module docstring): plus -0.0 taken from an
+    empty slice of it, which changes no bit of x (-0.0 + -0.0 = -0.0). Eager: x itself."""
+    if after is None or not torch.compiler.is_compiling():
+        return x
+    return x + after.flatten()[:0].sum().neg()
+
+
+def gather(x: torch.Tensor, ctx, after: torch.Tensor | None = None) -> torch.Tensor:
     """Every rank's ``x`` (the same shape on each), concatenated in rank order along dim 0
-    (not differentiable)."""
-    return _wait(_all_gather_single(x.contiguous(), 0, ctx.group_name))
+    (not differentiable). ``after``: in a backward, its gradient (module docstring)."""
+    return _wait(_all_gather_single(_after(x, after).contiguous(), 0, ctx.group_name))
 
 
-def gather_adjoint(grad: torch.Tensor, ctx) -> torch.Tensor:
+def gather_adjoint(grad: torch.Tensor, ctx, after: torch.Tensor | None = None) -> torch.Tensor:
     """The adjoint of ``gather``: this rank's block of every rank's ``grad``, summed in
-    rank order."""
-    blocks = _wait(funcol.all_to_all_single(grad.contiguous(), None, None, ctx.group_name))
+    rank order. ``after`` as ``gather``'s."""
+    blocks = _wait(funcol.all_to_all_single(_after(grad, after).contiguous(), None, None, ctx.group_name))
     blocks = blocks.view(ctx.world, -1, *grad.shape[1:])
     total = blocks[0]
     for r in range(1, ctx.world):  # rank order, whatever the backend
@@ -38,12 +53,13 @@ def gather_adjoint(grad: torch.Tensor, ctx) -> torch.Tensor:
     return total
 
 
-def shift(x: torch.Tensor, send_splits, recv_splits, ctx) -> torch.Tensor:
+def shift(x: torch.Tensor, send_splits, recv_splits, ctx, after: torch.Tensor | None = None) -> torch.Tensor:
     """Rows of ``x`` to other ranks: the first ``send_splits[0]`` to rank 0, the next
     ``send_splits[1]`` to rank 1, ...; returns the rows received, by source rank
     (``recv_splits[r]`` from rank r). An all-to-all whose splits are the plan's, zero but
-    for neighbours in the ring exchange (not differentiable)."""
-    return _wait(funcol.all_to_all_single(x.contiguous(), list(recv_splits), list(send_splits), ctx.group_name))
+    for neighbours in the ring exchange (not differentiable). ``after`` as ``gather``'s."""
+    return _wait(funcol.all_to_all_single(_after(x, after).contiguous(), list(recv_splits), list(send_splits),
+                                          ctx.group_name))
 
 
 class _AllGather(torch.autograd.Function):
@@ -54,7 +70,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_adjoint(grad, ctx.kcp), None
+        return gather_adjoint(grad, ctx.kcp, after=grad), None
 
 
 def all_gather(x: torch.Tensor, ctx) -> torch.Tensor:

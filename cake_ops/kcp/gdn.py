@@ -118,17 +118,17 @@ def _ring_chain(E, M, S0, tables, steps, kcp):
     return starts
 
 
-def _ring_chain_adjoint(F, M, steps, kcp, fragments: int):
+def _ring_chain_adjoint(F, M, steps, kcp, fragments: int, after):
     """``_chain_adjoint`` by neighbour shifts: per local fragment its end state's gradient
     (zero but for sources) from this rank's sinks' ``F`` (per local fragment) and its own
     transfers ``M``. The holder of a source's next fragment forms the gradient at the
     source's end and sends it back; the products run over all the step's documents, as in
-    ``_ring_chain``."""
+    ``_ring_chain``. ``after``: the backward's gradient, for the shifts (``collectives``)."""
     dend = F.new_zeros(fragments, *F.shape[1:])
     carried = torch.zeros_like(dend)  # per local source: Mᵀ of its end's gradient
     for step in reversed(steps):
         d = F.index_select(0, step.recv_frags) + carried.index_select(0, step.recv_frags)
-        back = collectives.shift(d, step.recv_splits, step.send_splits, kcp)
+        back = collectives.shift(d, step.recv_splits, step.send_splits, kcp, after=after)
         dend = dend.index_copy(0, step.src_frags, back)
         if step.src_pos.numel():
             back_all = back.new_zeros(step.documents, *back.shape[1:]).index_copy(0, step.src_pos, back)
@@ -155,18 +155,19 @@ def _hop_chain(ends, relay_ends, S0, tables, steps, kcp):
     return starts
 
 
-def _hop_chain_adjoint(dstarts, relay_dstarts, tables, steps, kcp):
+def _hop_chain_adjoint(dstarts, relay_dstarts, tables, steps, kcp, after):
     """``_hop_chain``'s mirror: per local fragment its end state's gradient (zero but for
     sources), from the steps in reverse. Each step the holders of the steps' next
     fragments send the gradients at their starts back: a tail's its own chained start
     gradient (``dstarts``), a relay's ``relay_dstarts(end gradients of this rank's
     relays)`` (its segments' reverse summaries chained from the end gradient a later
-    step brought)."""
+    step brought). ``after``: the backward's gradient, for the shifts (``collectives``)."""
     dend, relays = torch.zeros_like(dstarts), tables.relay.fragments
     for step in reversed(steps):
         if step.relay_receives:
             dstarts = dstarts.index_copy(0, relays, relay_dstarts(dend.index_select(0, relays)))
-        back = collectives.shift(dstarts.index_select(0, step.recv_frags), step.recv_splits, step.send_splits, kcp)
+        back = collectives.shift(dstarts.index_select(0, step.recv_frags), step.recv_splits, step.send_splits, kcp,
+                                 after=after)
         dend = dend.index_copy(0, step.src_frags, back)
     return dend
 
@@ -364,7 +365,7 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
     if opts.output_final_state:
         pool = kcp.world * kcp.last_slots
         dcat = dfinal.new_zeros(pool + state[0], *state[1:]).index_copy(0, tables.final_rows, dfinal)
-        mine = collectives.gather_adjoint(dcat[:pool], kcp)[: tables.last_slots.shape[0]]
+        mine = collectives.gather_adjoint(dcat[:pool], kcp, after=do)[: tables.last_slots.shape[0]]
         if dht is None:
             dht = q.new_zeros(kcp.cu_seqlens.shape[0] - 1, *state[1:], dtype=torch.float32)
         dht = dht.index_copy(0, tables.last_slots, mine)
@@ -385,10 +386,10 @@ def _backward(do, dfinal, q, k, v, g, beta, starts, transfers, S0, lead_tapes, r
                 doc_flags=_flags(sinks, opts, do.shape[1]))
         if opts.ring:
             F_local = torch.zeros_like(starts).index_copy(0, sinks.fragments, F)
-            picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0])
+            picked = _ring_chain_adjoint(F_local, transfers, kcp.ring_tables(q.device), kcp, starts.shape[0], do)
         else:
-            M_all = transfers if opts.save_transfer else collectives.gather(transfers, kcp)
-            F_all = collectives.gather(_padded(F, kcp.sink_slots), kcp)
+            M_all = transfers if opts.save_transfer else collectives.gather(transfers, kcp, after=do)
+            F_all = collectives.gather(_padded(F, kcp.sink_slots), kcp, after=do)
             dend = _chain_adjoint(F_all, M_all, kcp.documents, tables)
             picked = dend.index_select(0, tables.local_sources.clamp(min=0))
         is_source = tables.local_sources >= 0
@@ -430,7 +431,7 @@ def _hop_end_gradients(do, dht, q, k, v, g, beta, starts, tables, kcp, opts):
     if tables.relay.count:
         F, B, seg_cu = _relay_summaries((q, k, v, g, beta), kcp, opts, forward=False, do=do)
         relay_dstarts = lambda d: torch.ops.cake.gdn_state_grad_chain(F, B, d, seg_cu)  # noqa: E731
-    dend = _hop_chain_adjoint(dstarts, relay_dstarts, tables, kcp.ring_tables(q.device), kcp)
+    dend = _hop_chain_adjoint(dstarts, relay_dstarts, tables, kcp.ring_tables(q.device), kcp, do)
     return torch.where((tables.local_sources >= 0)[:, None, None, None], dend, dht)
 
 

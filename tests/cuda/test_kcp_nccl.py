@@ -51,9 +51,9 @@ def test_deterministic_kcp_over_nccl_is_the_single_gpu_bits(world, layout):
                    200 + world)
 
 
-def _step_case(rank, world):
+def _step_case(rank, world, layout):
     lengths, H, HV = [9000, 65, 1, 12000, 300, 7000], 2, 6
-    ctx = build_context_kcp(make_gdn_inputs(lengths, H, HV, 128, 128)["cu_seqlens"], layout="Z", device="cuda",
+    ctx = build_context_kcp(make_gdn_inputs(lengths, H, HV, 128, 128)["cu_seqlens"], layout=layout, device="cuda",
                             align=GRID_ALIGN)
 
     def batch(seed):
@@ -89,5 +89,6 @@ def _step_case(rank, world):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world", WORLDS)
-def test_kcp_training_step_over_nccl_compiles_and_replays_bitwise(world):
-    run_nccl_ranks(_step_case, world)
+@pytest.mark.parametrize("layout", ["Z", "C"])  # C: rank 0 holds no sink (collectives' ``after``)
+def test_kcp_training_step_over_nccl_compiles_and_replays_bitwise(world, layout):
+    run_nccl_ranks(_step_case, world, layout)

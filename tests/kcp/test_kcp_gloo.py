@@ -188,13 +188,17 @@ def test_kcp_without_crossing_documents():
     run_ranks(_unchained, 3, timeout=300)
 
 
-def _traced_and_checkpointed(rank, world):
+def _traced_and_checkpointed(rank, world, layout):
     """torch.compile(fullgraph=True) of a KCP GDN + short conv forward, the same under a
     non-reentrant checkpoint, and both together: outputs and gradients bitwise the eager
-    ones."""
+    ones. aot_eager partitions as inductor does (min-cut): at layout C rank 0 holds no
+    sink, so its backward's sink-gradient gather has no gradient in its input, and at
+    layout D on three ranks the relays' hops send zeros from some ranks: without the
+    collectives' ``after`` the partitioner ran those in one rank's forward and the
+    ranks hung."""
     lengths, H, HV, D = [90, 7, 60], 1, 2, 2 * K
     inp = make_gdn_inputs(lengths, H, HV, K, V, dtype=torch.float32, initial_state=True, seed=3)
-    ctx = build_context_kcp(inp["cu_seqlens"], layout="Z", align=1)
+    ctx = build_context_kcp(inp["cu_seqlens"], layout=layout, align=1)
     gen = torch.Generator().manual_seed(4)
     w = torch.randn(D, 4, generator=gen)
     x_global = torch.randn(sum(lengths), D, generator=gen)
@@ -236,8 +240,9 @@ def _traced_and_checkpointed(rank, world):
             assert torch.equal(a, b), f"{name} output {i} differs from eager (rank {rank})"
 
 
-def test_kcp_traces_and_checkpoints():
-    run_ranks(_traced_and_checkpointed, 2, timeout=600)
+@pytest.mark.parametrize("world, layout", [(2, "Z"), (2, "C"), (3, "D")])
+def test_kcp_traces_and_checkpoints(world, layout):
+    run_ranks(_traced_and_checkpointed, world, layout, timeout=600)
 
 
 @pytest.fixture
@@ -288,17 +293,17 @@ def test_kcp_comm_bytes_are_what_the_collectives_take(monkeypatch, one_intra_op_
     log = {}
     real_gather, real_adjoint, real_shift = collectives.gather, collectives.gather_adjoint, collectives.shift
 
-    def gather(x, ctx):
+    def gather(x, ctx, after=None):
         log.setdefault(ctx.rank, []).append(("all-gather", x.numel() * x.element_size()))
-        return real_gather(x, ctx)
+        return real_gather(x, ctx, after)
 
-    def gather_adjoint(g, ctx):
+    def gather_adjoint(g, ctx, after=None):
         log.setdefault(ctx.rank, []).append(("all-to-all", g.numel() * g.element_size()))
-        return real_adjoint(g, ctx)
+        return real_adjoint(g, ctx, after)
 
-    def shift(x, send_splits, recv_splits, ctx):
+    def shift(x, send_splits, recv_splits, ctx, after=None):
         log.setdefault(ctx.rank, []).append(("shifts", x.numel() * x.element_size()))
-        return real_shift(x, send_splits, recv_splits, ctx)
+        return real_shift(x, send_splits, recv_splits, ctx, after)
 
     monkeypatch.setattr(collectives, "gather", gather)
     monkeypatch.setattr(collectives, "gather_adjoint", gather_adjoint)
@@ -462,3 +467,40 @@ def test_fla_drop_in_takes_a_kcp_context(one_intra_op_thread):
     options = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, state_v_first=True,
                    use_qk_l2norm_in_kernel=True)
     run_rank_threads(_fla_case, 3, inp, options, timeout=300)
+
+
+def _compiled_across_plans(rank, world):
+    """One compiled GatedDeltaNet step taking the context as an argument, over packs of
+    other documents (a new plan each step, as packed training makes): each step's output
+    and gradients the eager ones' bits; Dynamo recompiles as the plan's sizes change and
+    then takes them as dynamic."""
+    import copy
+    import random
+
+    from cake_ops import GatedDeltaNet
+
+    torch.manual_seed(0)
+    layer = GatedDeltaNet(32, 1, 2, head_k_dim=16, head_v_dim=16)
+    twin = copy.deepcopy(layer)
+
+    def step(fn, params, x, ctx):
+        x = x.clone().requires_grad_(True)
+        y = fn(x, ctx)
+        return [y, *torch.autograd.grad((y * y).sum(), [x, *params])]
+
+    torch._dynamo.reset()
+    forward = torch.compile(lambda x, ctx: twin(x, kcp=ctx), fullgraph=True, backend="aot_eager")
+    rng = random.Random(1)
+    for i in range(4):
+        lengths = [rng.randint(20, 200) for _ in range(4)]
+        cu = [0, *torch.tensor(lengths).cumsum(0).tolist()]
+        ctx = build_context_kcp(cu, layout="C", align=1)
+        x = torch.randn(1, ctx.local_tokens, 32, generator=torch.Generator().manual_seed(i))
+        got = step(forward, list(twin.parameters()), x, ctx)
+        want = step(lambda x, ctx: layer(x, kcp=ctx), list(layer.parameters()), x, ctx)
+        for j, (a, b) in enumerate(zip(got, want)):
+            assert torch.equal(a, b), f"step {i} ({lengths}), output {j} (rank {rank})"
+
+
+def test_kcp_layer_compiled_across_plans():
+    run_ranks(_compiled_across_plans, 2, timeout=600)
