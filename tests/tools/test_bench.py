@@ -398,7 +398,8 @@ def test_cp_emulate_scaling_curve_on_cpu(tmp_path):
         assert cell["over_single"] == pytest.approx(r["slowest_alone_ms"] / r["single_ms"])
 
 
-def test_kcp_rank_alone_is_the_threaded_bits_and_notices_other_collectives():
+@pytest.mark.parametrize("world, layout", [(2, "Z"), (3, "D")])  # D at 3: relays, chained by hops (shifts)
+def test_kcp_rank_alone_is_the_threaded_bits_and_notices_other_collectives(world, layout):
     """A rank's step alone (``--emulate``'s per-rank times): served the collectives a
     threaded step received, its outputs and gradients are that step's bits; served other
     values, they are not; served more or fewer calls, or a call of another shape, it fails."""
@@ -406,10 +407,10 @@ def test_kcp_rank_alone_is_the_threaded_bits_and_notices_other_collectives():
     from cake_ops.bench.shapes import make_inputs
 
     inp = make_inputs(QUICK_SHAPES["q_packed"], torch.device("cpu"), "mamba", 0)
-    kcp = _EmulatedKcp(inp, 2, "Z", 1)
+    kcp = _EmulatedKcp(inp, world, layout, 1)
     kcp.record()
-    assert all(len(kcp.collectives.calls[r]) > 0 for r in range(2))  # documents cross the boundary
-    for r in range(2):
+    assert all(len(kcp.collectives.calls[r]) > 0 for r in range(world))  # documents cross the boundaries
+    for r in range(world):
         alone = kcp.alone(r)
         alone()
         assert alone.check()
