@@ -245,7 +245,7 @@ def run_kcp(args) -> dict:
             row.update(_time_alone(kcp, timer, args, ms["single"]))
         except Exception as e:  # noqa: BLE001 - reported in the row and the table
             row.update(rank_alone_ms=None, slowest_rank=None, slowest_alone_ms=None, slowest_alone_over_single=None,
-                       alone_bitwise=None, alone_error=f"{type(e).__name__}: {e}")
+                       alone_bitwise=None, rank_alone_peak_bytes=None, alone_error=f"{type(e).__name__}: {e}")
         report["results"].append(row)
         del inp, kcp, steps
     return report
@@ -253,18 +253,22 @@ def run_kcp(args) -> dict:
 
 def _time_alone(kcp: _EmulatedKcp, timer: Timer, args, single_ms: float) -> dict:
     """Every rank's step alone (``_EmulatedKcp.alone``), each checked bitwise against the
-    threaded step and timed (median kernel_ms over ``args.calls``)."""
+    threaded step, timed (median kernel_ms over ``args.calls``) and its peak bytes
+    measured (the allocator's peak above what the rank held before: its activations and
+    workspaces; None without CUDA)."""
     kcp.record()
-    alone, bitwise = [], True
+    alone, peaks, bitwise = [], [], True
     for r in range(kcp.world):
         step = kcp.alone(r)
         for _ in range(max(args.warmup, 1)):
             step()
         bitwise = bitwise and step.check()
         alone.append(statistics.median(timer.kernel_ms(step, 1)[0] for _ in range(args.calls)))
+        peaks.append(timer.peak_memory(step))
     slowest = max(range(kcp.world), key=lambda r: alone[r])
     return {"rank_alone_ms": alone, "slowest_rank": slowest, "slowest_alone_ms": alone[slowest],
-            "slowest_alone_over_single": alone[slowest] / single_ms, "alone_bitwise": bitwise}
+            "slowest_alone_over_single": alone[slowest] / single_ms, "alone_bitwise": bitwise,
+            "rank_alone_peak_bytes": peaks}
 
 
 def format_kcp_table(report: dict) -> str:
@@ -280,6 +284,9 @@ def format_kcp_table(report: dict) -> str:
             slowest = f"{'-':>10s} {'-':>9s} (alone failed: {r['alone_error']})"
         else:
             slowest = f"{r['slowest_alone_ms']:10.3f} {r['slowest_alone_over_single']:9.3f}"
+            peaks = [b for b in r["rank_alone_peak_bytes"] if b is not None]
+            if peaks:
+                slowest += f" (largest rank peak {max(peaks) / 2**20:.1f} MiB)"
             if not r["alone_bitwise"]:
                 slowest += " (alone NOT the threaded bits)"
         lines.append(f"{r['shape']:16s} {r['single_ms']:10.3f} {r['kcp_all_ranks_ms']:10.3f} {r['per_rank_ms']:10.3f} "

@@ -372,6 +372,7 @@ def test_cp_emulate_on_cpu(tmp_path):
     # Each rank alone, its collectives served from a threaded step: the threaded step's bits.
     assert row["alone_bitwise"] and len(row["rank_alone_ms"]) == 2 and min(row["rank_alone_ms"]) > 0
     assert row["slowest_alone_ms"] == max(row["rank_alone_ms"]) == row["rank_alone_ms"][row["slowest_rank"]]
+    assert row["rank_alone_peak_bytes"] == [None, None]  # the allocator's peaks: CUDA only
     assert set(row["kernels"]) == {"single", "kcp"}  # per-kernel splits: empty without the profiler
     assert row["comm_bytes_per_rank"]["gdn summaries, forward all-gather"] > 0  # documents cross the boundary
     assert report["meta"]["cp"] == 2 and report["meta"]["layout"] == "Z"
