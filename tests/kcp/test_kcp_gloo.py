@@ -504,3 +504,16 @@ def _compiled_across_plans(rank, world):
 
 def test_kcp_layer_compiled_across_plans():
     run_ranks(_compiled_across_plans, 2, timeout=600)
+
+
+def test_collectives_after_changes_no_bit_when_traced():
+    """The dependency ``after`` adds to a backward collective's input when traced is
+    ``+ (-0.0)``: every value keeps its bits, signed zeros and NaN included."""
+    from cake_ops.kcp import collectives
+
+    x = torch.tensor([-0.0, 0.0, 1.5, -2.25e-40, float("nan"), float("inf"), -float("inf"), 3e38])
+    after = torch.randn(5).bfloat16()
+    torch._dynamo.reset()
+    traced = torch.compile(lambda x, a: collectives._after(x, a), fullgraph=True, backend="aot_eager")(x, after)
+    assert traced is not x and torch.equal(traced.view(torch.int32), x.view(torch.int32))
+    assert collectives._after(x, after) is x  # eager: the input itself
