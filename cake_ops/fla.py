@@ -128,30 +128,14 @@ def chunk_gated_delta_rule(
         raise ValueError("allow_neg_eigval=True needs use_beta_sigmoid_in_kernel=True")
     if state_v_first and initial_state is not None:
         initial_state = initial_state.transpose(-1, -2).contiguous()
+    common = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                  use_qk_l2norm=use_qk_l2norm_in_kernel, deterministic=deterministic, save_mode=save_mode)
     if cp_context is not None:
-        o, final_state = gdn_kcp(
-            q[0], k[0], v[0], g[0], beta[0], cp_context,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm=use_qk_l2norm_in_kernel,
-            deterministic=deterministic,
-            save_mode=save_mode,
-        )
+        o, final_state = gdn_kcp(q[0], k[0], v[0], g[0], beta[0], cp_context, **common)
         o = o[None]
     else:
-        o, final_state = gdn(
-            q, k, v, g, beta, cu_seqlens,
-            scale=scale,
-            initial_state=initial_state,
-            output_final_state=output_final_state,
-            use_qk_l2norm=use_qk_l2norm_in_kernel,
-            deterministic=deterministic,
-            save_mode=save_mode,
-            recompute_output=recompute_output,
-            reuse_recompute_tapes=reuse_recompute_tapes,
-            graph=graph,
-        )
+        o, final_state = gdn(q, k, v, g, beta, cu_seqlens, recompute_output=recompute_output,
+                             reuse_recompute_tapes=reuse_recompute_tapes, graph=graph, **common)
     if state_v_first and final_state is not None:
         final_state = final_state.transpose(-1, -2).contiguous()
     return o, final_state
