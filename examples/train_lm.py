@@ -25,8 +25,9 @@ model per token. The loss is each rank's sum over its targets divided by the row
 so the ranks' losses and gradients add up to the one-process ones: the gradients are
 all-reduced before the optimizer step, as data parallel does. At step 0 every rank also
 runs the model on the whole row and checks that the all-reduced loss and gradients match
-it (the script fails otherwise). Eager by default: each step's documents make a new plan, which a compiled
-model (``--compile``) recompiles for until Dynamo takes the plan's sizes as dynamic.
+it (the script fails otherwise). Eager by default: each step's documents make a new
+plan, which a compiled model (``--compile``) recompiles for until Dynamo takes the
+plan's sizes as dynamic.
 
 --trace writes a trace that TensorBoard's profiler plugin (torch-tb-profiler) opens, and
 prints each cake stage's time per step: the CUDA ops launch every stage's kernels under a
@@ -56,6 +57,7 @@ from torch.utils.checkpoint import checkpoint
 
 import cake_ops
 from cake_ops.kcp import build_context_kcp
+from cake_ops.testing import accuracy
 
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "fables.txt")
 BOS = "\n"  # paragraphs are single lines, so a newline can mark a document's start
@@ -328,11 +330,6 @@ def stage_table(prof, steps: int, on_cuda: bool) -> str:
     return "\n".join(lines)
 
 
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    err = (got.double() - want.double()).pow(2).mean().sqrt()
-    return float(err / want.double().pow(2).mean().sqrt().clamp_min(1e-30))
-
-
 def all_reduce_grads(model) -> None:
     """Sums the parameters' gradients over the ranks (each rank's is the part of its own
     rows), in one collective."""
@@ -344,19 +341,24 @@ def all_reduce_grads(model) -> None:
         p.grad = g.view_as(p)
 
 
-def rank_entry(rank: int, args, store_path: str) -> None:
-    """A spawned rank of --cp N: its process group, then the training."""
-    backend = "nccl" if args.device.startswith("cuda") else "gloo"
-    device_id = None
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-        device_id = torch.device("cuda", rank)
-    dist.init_process_group(backend, store=dist.FileStore(store_path, args.cp), rank=rank, world_size=args.cp,
-                            device_id=device_id)
+def train_in_group(args, **rendezvous) -> int:
+    """``train`` in a process group of the --cp ranks (NCCL on CUDA, else gloo; torchrun's
+    rendezvous from the environment, or the one given), destroyed after."""
+    dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo", **rendezvous)
     try:
-        code = train(args)
+        return train(args)
     finally:
         dist.destroy_process_group()
+
+
+def rank_entry(rank: int, args, store_path: str) -> None:
+    """A spawned rank of --cp N (one GPU a rank on CUDA)."""
+    device_id = None
+    if args.device.startswith("cuda"):
+        torch.cuda.set_device(rank)
+        device_id = torch.device("cuda", rank)
+    code = train_in_group(args, store=dist.FileStore(store_path, args.cp), rank=rank, world_size=args.cp,
+                          device_id=device_id)
     if code:
         sys.exit(code)
 
@@ -367,8 +369,9 @@ def cp_step_matches(model, loss, whole_loss, whole_grads, on_cuda: bool, log) ->
     bf16 autocast on CUDA)."""
     tol = 3e-2 if on_cuda else 1e-4
     dloss = abs(loss.item() - whole_loss.item()) / abs(whole_loss.item())
-    worst = max(rel_rms(p.grad, w) for p, w in zip(model.parameters(), whole_grads))
-    ok = dloss <= tol and worst <= tol
+    grads = [accuracy(p.grad, w) for p, w in zip(model.parameters(), whole_grads)]
+    worst = max(a.rel_rms for a in grads)
+    ok = dloss <= tol and all(a.finite and a.rel_rms <= tol for a in grads)  # (max() would pass a NaN over)
     log(f"step 0 with KCP against one process on the whole row: loss rel. difference {dloss:.1e}, "
         f"worst gradient rel-RMS {worst:.1e} (tolerance {tol:.0e}){'' if ok else ': FAIL'}", flush=True)
     return ok
@@ -381,11 +384,7 @@ def main() -> int:
     if "WORLD_SIZE" in os.environ:  # torchrun's ranks
         if args.device.startswith("cuda"):
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-        try:
-            return train(args)
-        finally:
-            dist.destroy_process_group()
+        return train_in_group(args)
     from cake_ops.testing import run_spawned
 
     if args.device.startswith("cuda") and torch.cuda.device_count() < args.cp:
