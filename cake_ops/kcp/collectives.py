@@ -70,7 +70,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return gather_adjoint(grad, ctx.kcp, after=grad), None
+        return gather_adjoint(grad, ctx.kcp), None  # grad is the gradient: nothing to tie it to
 
 
 def all_gather(x: torch.Tensor, ctx) -> torch.Tensor:
