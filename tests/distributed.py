@@ -6,7 +6,6 @@ ports), and a deadline after which every rank is killed. (Ranks as threads of on
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
 import torch.distributed as dist
@@ -31,13 +30,28 @@ def _entry(rank: int, world: int, store_path: str, fn, args, backend: str = "glo
         dist.barrier()  # no rank leaves while another still exchanges with it
     finally:
         dist.destroy_process_group()
-    # Passed: leave at once. A spawned rank's interpreter shutdown after torch.compile
-    # has aborted in native thread teardown ("terminate called without an active
-    # exception", SIGABRT; once in CI, in test_kcp_traces_and_checkpoints) after all of
-    # its checks had passed. A failing check raises above and never gets here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    if backend == "gloo":
+        _assert_no_gloo_threads()
+
+
+def _assert_no_gloo_threads() -> None:
+    """A destroyed group's gloo threads end with it. One whose group something still holds
+    lives on and dies with the interpreter, which has aborted ranks at exit after their
+    checks had passed ("terminate called without an active exception"; the cause and its
+    fix in cake_ops.kcp.collectives)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):  # thread names are Linux's
+        return
+    names = []
+    for t in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, t, "comm")) as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    left = [n for n in names if "gloo" in n]
+    if left:
+        raise AssertionError(f"gloo threads outlive destroy_process_group: {left}")
 
 
 def run_ranks(fn, world: int, *args, timeout: float = 300.0, backend: str = "gloo") -> None:

@@ -17,7 +17,17 @@ ranks would wait on each other for ever.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
+
+# torch.distributed.nn.functional takes ``group.WORLD`` as a default argument, bound when it
+# is first imported; torch._dynamo imports it, and so does the first eager functional
+# collective. Imported while a default group exists, it keeps that group alive past
+# destroy_process_group, and the group's gloo threads then die with the interpreter (an
+# abort at exit, after a run had passed). Imported here, before the program makes a group,
+# it binds None.
+if not dist.is_initialized():
+    import torch.distributed.nn.functional  # noqa: F401
 
 
 # torch 2.13 names it all_gather_single (all_gather_tensor, deprecated there, is 2.11's).
