@@ -187,5 +187,7 @@ def run_rank_threads(fn, world: int, *args, timeout: float = 300.0) -> None:
         _uninstall_threaded_pg()
         ProcessLocalGroup.reset()
     if errors:
-        rank, e = min(errors, key=lambda x: x[0])
+        # The failing rank's own error, not the SystemExit the threaded group raises in the
+        # ranks it then wakes from their collectives.
+        rank, e = min(errors, key=lambda x: (isinstance(x[1], SystemExit), x[0]))
         raise AssertionError(f"rank {rank} of {world} failed: {type(e).__name__}: {e}") from e

@@ -263,6 +263,21 @@ def test_kcp_on_rank_threads(one_intra_op_thread):
     run_rank_threads(_gdn_case, 3, "D", [130, 3, 0, 97], 2, 4, 5, timeout=300)
 
 
+def _fails_on_rank_two(rank, world):
+    if rank == 2:
+        raise ValueError("rank two's own error")
+    dist.all_reduce(torch.ones(2))  # the others wait here until the group wakes them
+
+
+def test_rank_threads_report_the_failing_rank():
+    """A rank's failure is reported with its own error, not the termination the threaded
+    group then raises in the ranks it wakes (lower ranks among them)."""
+    from cake_ops.testing import run_rank_threads
+
+    with pytest.raises(AssertionError, match="rank 2 of 3 failed: ValueError: rank two's own error"):
+        run_rank_threads(_fails_on_rank_two, 3, timeout=60)
+
+
 def _counted_exchange(rank, world, expected, exchange, save_transfer, deterministic):
     """One gdn_kcp (final states on) and one short_conv_kcp forward+backward; ``expected``
     [rank] gets kcp_comm_bytes of the call."""
