@@ -1,6 +1,6 @@
 """Fake kernels of ``cake::gdn_fwd``, ``cake::gdn_fwd_full``, ``cake::gdn_fwd_final_state``,
-``cake::gdn_bwd``, ``cake::gdn_bwd_initial_state``, ``cake::gdn_state_chain`` and
-``cake::gdn_state_grad_chain``."""
+``cake::gdn_bwd``, ``cake::gdn_bwd_initial_state``, ``cake::gdn_segment_summaries``,
+``cake::gdn_segment_grad_summaries``, ``cake::gdn_state_chain`` and ``cake::gdn_state_grad_chain``."""
 
 import torch
 
@@ -83,3 +83,21 @@ def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2no
     check_segment_chunks(segment_chunks)
     check_doc_flags(doc_flags, N, q.device)
     return q.new_empty(N, HV, K, V, dtype=torch.float32)
+
+
+@torch.library.register_fake("cake::gdn_segment_summaries")
+def gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic, segment_chunks=-1,
+                          doc_flags=None):
+    E = gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, deterministic,
+                            segment_chunks, doc_flags)
+    K = q.shape[-1]
+    return E, E.new_empty(*E.shape[:2], K, K)
+
+
+@torch.library.register_fake("cake::gdn_segment_grad_summaries")
+def gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic, segment_chunks=-1,
+                               doc_flags=None):
+    F = gdn_bwd_initial_state(do, None, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                              segment_chunks, doc_flags)
+    K = q.shape[-1]
+    return F, F.new_empty(*F.shape[:2], K, K)

@@ -174,25 +174,22 @@ def _hop_chain_adjoint(dstarts, relay_dstarts, tables, steps, kcp, after):
 
 def _relay_summaries(xs, kcp, opts, forward: bool, do=None):
     """Per grid segment of this rank's relays (``KcpContext.relay_segments``) its
-    summaries from one ``cake::`` op call each: forward, (E, M) as the final states of
-    the segments from zero and from the identity with v = 0; backward, (F, B = Mᵀ) as
-    their initial states' gradients with do and no end gradient, and with dht = I and
-    do = 0. Returns (values, transfers, seg_cu)."""
+    summaries from one ``cake::`` op call: forward, (E, M) (``cake::gdn_segment_summaries``:
+    the segments' final states from zero and their transfers); backward, (F, B = Mᵀ)
+    (``cake::gdn_segment_grad_summaries``: their initial states' gradients from do with
+    no end gradient, and the transposed transfers). Returns (values, transfers, seg_cu)."""
     q, k, v, g, beta = xs
-    K, HV = q.shape[-1], v.shape[1]
+    HV = v.shape[1]
     seg = kcp.relay_segments(q.device, HV, opts.segment_chunks)
     grid = dict(segment_chunks=opts.segment_chunks, doc_flags=_flags(seg, opts, HV))
     sq, sk, sv, sg, sb = seg.take(q, k, v, g, beta)
-    eye = torch.eye(K, device=q.device).expand(seg.count, HV, K, K).contiguous()
-    if forward:  # the transfers from the identity with a v of head dim K, zeros
-        values = torch.ops.cake.gdn_fwd_final_state(sq, sk, sv, sg, sb, seg.cu_seqlens, None, *opts.walk, **grid)
-        transfers = torch.ops.cake.gdn_fwd_final_state(sq, sk, sv.new_zeros(seg.tokens, HV, K), sg, sb,
-                                                       seg.cu_seqlens, eye, *opts.walk, **grid)
-    else:  # the transfers from dht = I with a do of head dim K, zeros
+    if forward:
+        values, transfers = torch.ops.cake.gdn_segment_summaries(sq, sk, sv, sg, sb, seg.cu_seqlens, *opts.walk,
+                                                                 **grid)
+    else:
         (sdo,) = seg.take(do)
-        values = torch.ops.cake.gdn_bwd_initial_state(sdo, None, sq, sk, sg, sb, seg.cu_seqlens, *opts.walk, **grid)
-        transfers = torch.ops.cake.gdn_bwd_initial_state(sdo.new_zeros(seg.tokens, HV, K), eye, sq, sk, sg, sb,
-                                                         seg.cu_seqlens, *opts.walk, **grid)
+        values, transfers = torch.ops.cake.gdn_segment_grad_summaries(sdo, sq, sk, sg, sb, seg.cu_seqlens,
+                                                                      *opts.walk, **grid)
     return values, transfers, seg.seg_cu
 
 

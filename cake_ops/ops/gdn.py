@@ -1,6 +1,8 @@
 """The GDN ops ``cake::gdn_fwd``, ``cake::gdn_fwd_full`` / ``cake::gdn_bwd``,
 ``cake::gdn_fwd_final_state`` and ``cake::gdn_bwd_initial_state`` (the final states
-alone and the initial states' gradient alone, for KCP), ``cake::gdn_state_chain`` and
+alone and the initial states' gradient alone, for KCP), ``cake::gdn_segment_summaries``
+and ``cake::gdn_segment_grad_summaries`` (documents' summaries and their gradients'
+mirror, for KCP's relays), ``cake::gdn_state_chain`` and
 ``cake::gdn_state_grad_chain`` (the cut walks' chains on given segment summaries, for
 KCP) and the user entry point ``gdn``.
 
@@ -523,6 +525,126 @@ def _backward(ctx, do, dht, _dtapes=None):
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
+@torch.library.custom_op("cake::gdn_segment_summaries", mutates_args=())
+def gdn_segment_summaries(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    deterministic: bool,
+    segment_chunks: int = -1,
+    doc_flags: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each document's summary (E [N, HV, K, V], M [N, HV, K, K], fp32): its final state
+    from a zero initial state (E) and the map of its initial state to its final state
+    (M: the final state from the identity with v = 0), so that a start state S
+    walks to M S + E; the values of two ``cake::gdn_fwd_final_state`` calls on the same
+    documents (``doc_flags`` as that op's). On the CUDA kernels every document is taken
+    as a piece inside a longer one (doc_flags' opens- and closes-inside bits added) and
+    must be at most one segment of its cut grid (a device-side assert otherwise; a cut
+    plan: deterministic, or ``segment_chunks`` > 0): one prep and one pass of summary
+    walks give both, where the two calls each run a prep and both walks. KCP's relays
+    (cake_ops/kcp/gdn.py; docs/kcp.md, "Relays")."""
+    return _gdn_segment_summaries_pytorch(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                          segment_chunks, doc_flags)
+
+
+def _identity_states(N, HV, K, device):
+    return torch.eye(K, device=device).expand(N, HV, K, K).contiguous()
+
+
+def _gdn_segment_summaries_pytorch(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                   segment_chunks=-1, doc_flags=None):
+    _check_gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, segment_chunks, doc_flags)
+    check_cu_seqlens_values(cu_seqlens, q.shape[0])
+    effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
+    T, HV, K, N = q.shape[0], v.shape[1], q.shape[-1], cu_seqlens.shape[0] - 1
+    E = pytorch_gdn.gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, None, use_qk_l2norm)
+    M = pytorch_gdn.gdn_fwd_final_state(q, k, v.new_zeros(T, HV, K), g, beta, cu_seqlens,
+                                        _identity_states(N, HV, K, q.device), use_qk_l2norm)
+    return E, M
+
+
+def _check_gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, segment_chunks, doc_flags) -> None:
+    N = check_gdn(q, k, v, g, beta, cu_seqlens, None)[5]
+    check_scale(scale)
+    check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, N, q.device)
+
+
+@cuda_kernel("gdn_segment_summaries")
+def _gdn_segment_summaries_cuda(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                segment_chunks=-1, doc_flags=None):
+    _check_gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, segment_chunks, doc_flags)
+    if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
+        return _gdn_segment_summaries_pytorch(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic)
+    from .. import build
+
+    return build.load().gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm,
+                                              effective_deterministic(deterministic), segment_chunks, -1, doc_flags)
+
+
+@torch.library.custom_op("cake::gdn_segment_grad_summaries", mutates_args=())
+def gdn_segment_grad_summaries(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    scale: float,
+    use_qk_l2norm: bool,
+    deterministic: bool,
+    segment_chunks: int = -1,
+    doc_flags: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cake::gdn_segment_summaries``' mirror for the state gradient: (F [N, HV, K, V],
+    B [N, HV, K, K], fp32), each document's initial state gradient from do with a zero
+    final state gradient (F) and the map of its final state gradient to its initial one
+    (B: from dht = I with do = 0), so that an end gradient dS walks back to B dS + F; the
+    values of two ``cake::gdn_bwd_initial_state`` calls. On the CUDA kernels the same
+    pieces as that op's (at most one segment a document, asserted on the device), from
+    one prep and one pass of reverse summary walks a head slice."""
+    return _gdn_segment_grad_summaries_pytorch(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                               segment_chunks, doc_flags)
+
+
+def _gdn_segment_grad_summaries_pytorch(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                        segment_chunks=-1, doc_flags=None):
+    _check_gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, segment_chunks, doc_flags)
+    check_cu_seqlens_values(cu_seqlens, q.shape[0])
+    effective_deterministic(deterministic)  # the PyTorch path is deterministic either way
+    T, HV, K, N = q.shape[0], do.shape[1], q.shape[-1], cu_seqlens.shape[0] - 1
+    F = pytorch_gdn.gdn_bwd_initial_state(do, None, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm)
+    B = pytorch_gdn.gdn_bwd_initial_state(do.new_zeros(T, HV, K), _identity_states(N, HV, K, q.device), q, k, g,
+                                          beta, cu_seqlens, scale, use_qk_l2norm)
+    return F, B
+
+
+def _check_gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, segment_chunks, doc_flags) -> None:
+    _check_gdn_bwd_initial_state(do, None, q, k, g, beta, cu_seqlens, scale)
+    check_segment_chunks(segment_chunks)
+    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
+
+
+@cuda_kernel("gdn_segment_grad_summaries")
+def _gdn_segment_grad_summaries_cuda(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                     segment_chunks=-1, doc_flags=None):
+    _check_gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, segment_chunks, doc_flags)
+    if dispatch.gdn_bwd_cuda_refusal(do, None, q, k, do, g, beta, cu_seqlens, scale) is not None:
+        return _gdn_segment_grad_summaries_pytorch(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
+                                                   deterministic)
+    from .. import build
+
+    return build.load().gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
+                                                   effective_deterministic(deterministic), segment_chunks, -1,
+                                                   doc_flags)
+
+
 gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
 
 

@@ -11,8 +11,11 @@
 #include <type_traits>
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_assert_async.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/searchsorted.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -404,6 +407,77 @@ at::Tensor workspace_piece(const at::Tensor& workspace, int64_t offset, at::Scal
   int64_t elems = 1;
   for (const int64_t n : shape) elems *= n;
   return workspace.narrow(0, offset, elems * static_cast<int64_t>(at::elementSize(dtype))).view(dtype).view(shape);
+}
+
+// A call's documents taken as pieces that open and close inside longer ones (gdn.h,
+// kGdnOpensInside | kGdnClosesInside, beside the caller's grid-class bits): each is then
+// an inner segment between two empty ones, which the summaries summarise (KCP's relays,
+// docs/kcp.md).
+at::Tensor inside_pieces(const char* op, const GdnShapes& s, const at::Tensor& q,
+                         const std::optional<at::Tensor>& doc_flags) {
+  if (doc_flags) {
+    TORCH_CHECK(doc_flags->dim() == 1 && doc_flags->numel() == s.N && doc_flags->scalar_type() == at::kByte, op,
+                ": doc_flags must be a uint8 [N] = [", s.N, "] tensor, got ", doc_flags->scalar_type(), " ",
+                doc_flags->sizes());
+    check_same_device(*doc_flags, q, op, "doc_flags", "q");
+  }
+  const at::Tensor inside = at::full({s.N}, kGdnOpensInside | kGdnClosesInside, q.options().dtype(at::kByte));
+  return doc_flags ? doc_flags->bitwise_or(inside) : inside;
+}
+
+// Per document of such a call (the plan and summaries run; the slice of value heads from
+// hv0), its real segment's summaries from the workspace: `values` (E_s, or the backward's
+// F) as the summary walk wrote them, `transfers` (M_s, or B) from the stored transpose,
+// zero where the cut is truncated. The real segment is inner segment seg_offsets[n] - n +
+// shift (1: after the empty first one, the forward's; 0: the cut after the empty first
+// one, whose reverse summaries are the real segment's, the backward's). The chain kernel
+// would take these to the two final-state (initial-state) calls' results, M_s 0 + E_s and
+// M_s I + 0, which adds only signed zeros. A document of more than one segment would put
+// another segment there: refused on the device.
+void take_piece_summaries(const char* message, const GdnPlan& plan, const at::Tensor& workspace, int64_t shift,
+                          int64_t hv0, at::Tensor& values, at::Tensor& transfers) {
+  constexpr int64_t D = kGdnHeadDim;
+  const int64_t N = plan.N, HV = plan.HV, NI = plan.inner_slots;
+  const at::Tensor seg_offsets = workspace_piece(workspace, plan.ws.seg_offsets, at::kInt, {N + 1}).to(at::kLong);
+  at::_assert_async(seg_offsets.narrow(0, 1, N).sub(seg_offsets.narrow(0, 0, N)).eq(3).all(), message);
+  const at::Tensor inner = seg_offsets.narrow(0, 0, N).sub(at::arange(N, seg_offsets.options())).add(shift);
+  const at::Tensor state = workspace_piece(workspace, plan.ws.seg_state, at::kFloat, {NI, HV, D, D});
+  const at::Tensor transfer = workspace_piece(workspace, plan.ws.seg_transfer, at::kFloat, {NI, HV, D, D});
+  const at::Tensor exact = workspace_piece(workspace, plan.ws.seg_exact, at::kInt, {NI, HV});
+  values.narrow(1, hv0, HV).copy_(state.index_select(0, inner));
+  const at::Tensor is_exact = exact.index_select(0, inner).ne(0).view({N, HV, 1, 1});
+  transfers.narrow(1, hv0, HV).copy_(at::where(is_exact, transfer.index_select(0, inner).transpose(-1, -2), 0.0));
+}
+
+// (E, M) per document, each document one segment of its grid (cake::gdn_segment_summaries):
+// the forward's plan, prep and summaries of the documents as pieces inside longer ones,
+// the summaries read out (take_piece_summaries). The values of two gdn_fwd_final_state
+// calls on the same pieces (from zero; from the identity with v = 0) from one prep and one
+// pass of summary walks: KCP's relays (docs/kcp.md, "Relays").
+std::tuple<at::Tensor, at::Tensor> gdn_segment_summaries(const at::Tensor& q, const at::Tensor& k,
+                                                        const at::Tensor& v, const at::Tensor& g,
+                                                        const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                                                        double scale, bool use_qk_l2norm, bool deterministic,
+                                                        int64_t segment_chunks, int64_t value_splits,
+                                                        const std::optional<at::Tensor>& doc_flags) {
+  constexpr const char* op = "gdn_segment_summaries";
+  constexpr int64_t D = kGdnHeadDim;
+  const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const at::Tensor flags = inside_pieces(op, s, q, doc_flags);
+  const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
+                                           segment_chunks, value_splits, /*backward=*/false, 1, false, flags);
+  GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, std::nullopt, scale, /*outputs=*/false,
+                                 nullptr, flags);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  launch_stage(op, "cake::gdn_segment_summaries/plan", gdn_fwd_plan_launch, c.args, stream);
+  launch_stage(op, "cake::gdn_segment_summaries/prep", gdn_fwd_prep_launch, c.args, stream);
+  launch_stage(op, "cake::gdn_segment_summaries/summaries", gdn_fwd_summary_launch, c.args, stream);
+  at::Tensor E = at::empty({s.N, s.HV, D, D}, q.options().dtype(at::kFloat));
+  at::Tensor M = at::empty_like(E);
+  take_piece_summaries("gdn_segment_summaries: cu_seqlens: every document must be at most one segment of its "
+                       "cut grid", plan, c.workspace, 1, 0, E, M);
+  return {E, M};
 }
 
 // The backward's forward-direction recompute (gdn.h gdn_bwd_tapes_launch; docs/kernels.md,
@@ -952,6 +1026,49 @@ at::Tensor gdn_bwd_initial_state(const at::Tensor& dout, const std::optional<at:
   return dh0;
 }
 
+// (F, B) per document, each document one segment of its grid
+// (cake::gdn_segment_grad_summaries): per head slice the backward's plan and prep and the
+// reverse walk's cut summaries of the documents as pieces inside longer ones, read out
+// (take_piece_summaries). The values of two gdn_bwd_initial_state calls on the same pieces
+// (do without dht; dht = I with do = 0) from one prep and one pass of summary walks: KCP's
+// relays (docs/kcp.md, "Relays").
+std::tuple<at::Tensor, at::Tensor> gdn_segment_grad_summaries(const at::Tensor& dout, const at::Tensor& q,
+                                                             const at::Tensor& k, const at::Tensor& g,
+                                                             const at::Tensor& beta, const at::Tensor& cu_seqlens,
+                                                             double scale, bool use_qk_l2norm, bool deterministic,
+                                                             int64_t segment_chunks, int64_t value_splits,
+                                                             const std::optional<at::Tensor>& doc_flags) {
+  constexpr const char* op = "gdn_segment_grad_summaries";
+  constexpr int64_t D = kGdnHeadDim;
+  const GdnShapes s = check_gdn_inputs(op, q, k, nullptr, g, beta, cu_seqlens);
+  check_gdn_grads(op, s, dout, std::nullopt, q);
+  const c10::cuda::OptionalCUDAGuard device_guard(q.device());
+  const at::Tensor flags = inside_pieces(op, s, q, doc_flags);
+  const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
+                                           segment_chunks, value_splits, /*backward=*/true, -1, false, flags);
+  const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, scale,
+                                       /*outputs=*/false, nullptr, flags);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const at::Tensor dout_c = dense16(dout);
+  unsigned char* ws = static_cast<unsigned char*>(c.workspace.data_ptr());
+  at::Tensor F = at::empty({s.N, s.HV, D, D}, q.options().dtype(at::kFloat));
+  at::Tensor B = at::empty_like(F);
+  for (int slice = 0; slice < plan.head_slices; ++slice) {
+    const int64_t h0 = slice * plan.H, hv0 = slice * plan.HV;
+    const GdnFwdArgs f = head_slice_args(c.args, h0, hv0, c.beta.element_size());
+    launch_stage(op, "cake::gdn_segment_grad_summaries/prep", gdn_bwd_tapes_prep_launch, f, stream);
+    GdnBwdWalkArgs r = reverse_walk_args(plan, f, ws, /*beside_recompute=*/false, dout_c, at::Tensor(), hv0,
+                                         nullptr, F, scale);
+    r.dh0 = nullptr;  // the summaries write only the cuts' pieces: no dh0, dS tape or dv_new
+    r.dS = nullptr;
+    launch_stage(op, "cake::gdn_segment_grad_summaries/reverse_summaries", gdn_bwd_reverse_summary_launch, r,
+                 stream);
+    take_piece_summaries("gdn_segment_grad_summaries: cu_seqlens: every document must be at most one segment of "
+                         "its cut grid", plan, c.workspace, 0, hv0, F, B);
+  }
+  return {F, B};
+}
+
 // The bytes of the one workspace a call allocates beside its inputs and outputs (the
 // plan's GdnPlan::ws; docs/kernels.md, "Workspaces"), for a gdn_fwd (tapes: gdn_fwd_full)
 // or gdn_bwd (tapes: given the full save mode's tapes) call of these shapes on the current
@@ -1014,6 +1131,14 @@ TORCH_LIBRARY_FRAGMENT(cake_cuda, m) {
       "gdn_fwd_final_state(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, "
       "Tensor? initial_state, float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, "
       "int value_splits=-1, Tensor? doc_flags=None) -> Tensor");
+  m.def(
+      "gdn_segment_summaries(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta, Tensor cu_seqlens, float scale, "
+      "bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, int value_splits=-1, Tensor? doc_flags=None) "
+      "-> (Tensor E, Tensor M)");
+  m.def(
+      "gdn_segment_grad_summaries(Tensor do, Tensor q, Tensor k, Tensor g, Tensor beta, Tensor cu_seqlens, "
+      "float scale, bool use_qk_l2norm, bool deterministic, int segment_chunks=-1, int value_splits=-1, "
+      "Tensor? doc_flags=None) -> (Tensor F, Tensor B)");
   m.def("gdn_state_chain(Tensor E, Tensor M, Tensor S_start, Tensor seg_cu) -> Tensor");
   m.def("gdn_state_grad_chain(Tensor F, Tensor B, Tensor dS_end, Tensor seg_cu) -> Tensor");
   m.def(
@@ -1036,6 +1161,8 @@ TORCH_LIBRARY_IMPL(cake_cuda, CUDA, m) {
   m.impl("gdn_fwd_full", &cake::gdn_fwd_full);
   m.impl("gdn_bwd_initial_state", &cake::gdn_bwd_initial_state);
   m.impl("gdn_fwd_final_state", &cake::gdn_fwd_final_state);
+  m.impl("gdn_segment_summaries", &cake::gdn_segment_summaries);
+  m.impl("gdn_segment_grad_summaries", &cake::gdn_segment_grad_summaries);
   m.impl("gdn_state_chain", &cake::gdn_state_chain);
   m.impl("gdn_state_grad_chain", &cake::gdn_state_grad_chain);
 }

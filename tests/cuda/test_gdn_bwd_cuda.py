@@ -390,10 +390,14 @@ def test_relay_pieces_from_segment_summaries_are_the_whole_calls_bits(ops, segme
         F = ops.gdn_bwd_initial_state(do[mid], None, qm, km, gm, bm, cu_seg, *plan, fl_seg)
         B = ops.gdn_bwd_initial_state(torch.zeros_like(do[mid]), eye, qm, km, gm, bm, cu_seg, *plan, fl_seg)
         dS_a = ops.gdn_state_grad_chain(F, B, dS_b, seg_cu)
+        E1, M1 = ops.gdn_segment_summaries(qm, km, vm, gm, bm, cu_seg, *plan, fl_seg)
+        F1, B1 = ops.gdn_segment_grad_summaries(do[mid], qm, km, gm, bm, cu_seg, *plan, fl_seg)
         grads_m = ops.gdn_bwd(do[mid], dS_b, qm, km, vm, gm, bm, cu(b - a), S_a, *plan, -1, None, flags(3 | klass))
         dht_l = torch.cat([dht[0:1], dS_a])
         grads_l = ops.gdn_bwd(do[left], dht_l, *xs(left), cu(lengths[0], a), h0[:2].contiguous(), *plan, -1, None,
                               flags(own(lengths[0]), 2 | klass))
+    for name, one, two in (("E", E1, E), ("M", M1, M), ("F", F1, F), ("B", B1, B)):
+        assert torch.equal(one, two), f"the one-call summary {name} is not the two calls' value"
     assert torch.equal(S_b, out_m[1]), "the chain of the summaries is not the relay call's chained end"
     assert torch.equal(dS_a, grads_m[5]), "the gradient chain is not the relay call's dh0"
     assert torch.equal(torch.cat([out_l[0], out_m[0], out_r[0]]), whole_o)
@@ -401,6 +405,42 @@ def test_relay_pieces_from_segment_summaries_are_the_whole_calls_bits(ops, segme
     for i, name in enumerate(GRADS[:5]):
         assert torch.equal(torch.cat([grads_l[i], grads_m[i], grads_r[i]]), whole[i]), name
     assert torch.equal(torch.stack([grads_l[5][0], grads_l[5][1], grads_r[5][1]]), whole[5]), "dh0"
+
+
+def test_segment_summaries_of_empty_and_short_pieces(ops):
+    """gdn_segment_summaries and gdn_segment_grad_summaries on pieces of 0, 1, 64, 65 and
+    4096 tokens (doc_flags 3, NaN-poisoned, GVA 3) give the values of the two
+    gdn_fwd_final_state and the two gdn_bwd_initial_state calls they replace; an empty
+    piece's summaries are E = F = 0 and M = B = I."""
+    inp = GdnCase("pieces", (0, 1, 64, 65, 4096, 0), H=2, G=3, l2norm=True).inputs("cuda")
+    q, k, v, g, beta, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
+    do, _ = _grad_inputs(inp, 7)
+    N, T, HV, D = cu.shape[0] - 1, q.shape[0], v.shape[1], 128
+    plan = (D**-0.5, True, True, -1, -1)
+    flags = torch.full((N,), 3, dtype=torch.uint8, device="cuda")
+    eye = torch.eye(D, device="cuda").expand(N, HV, D, D).contiguous()
+    with poisoned_allocations():
+        E, M = ops.gdn_segment_summaries(q, k, v, g, beta, cu, *plan, flags)
+        F, B = ops.gdn_segment_grad_summaries(do, q, k, g, beta, cu, *plan, flags)
+        wants = (ops.gdn_fwd_final_state(q, k, v, g, beta, cu, None, *plan, flags),
+                 ops.gdn_fwd_final_state(q, k, torch.zeros_like(v), g, beta, cu, eye, *plan, flags),
+                 ops.gdn_bwd_initial_state(do, None, q, k, g, beta, cu, *plan, flags),
+                 ops.gdn_bwd_initial_state(torch.zeros_like(do), eye, q, k, g, beta, cu, *plan, flags))
+    for name, got, want in zip("EMFB", (E, M, F, B), wants):
+        assert torch.equal(got, want), name
+    for n in (0, N - 1):
+        assert not E[n].any() and not F[n].any() and torch.equal(M[n], eye[n]) and torch.equal(B[n], eye[n])
+
+
+def test_segment_summaries_refuse_a_piece_of_two_segments(ops):
+    """A document longer than one segment of its grid (8192 tokens at the deterministic
+    grid of 4096) fails gdn_segment_summaries on the device (its own process)."""
+    out = device_assert_output(
+        "from cake_ops import build\n"
+        "inp = make_gdn_inputs([8192, 300], 1, 2, 128, 128, device='cuda', seed=0)",
+        "build.load().gdn_segment_summaries(*(inp[n] for n in ('q', 'k', 'v', 'g', 'beta', 'cu_seqlens')), "
+        "128**-0.5, False, True, -1, -1, None)")
+    assert "device-side assert" in out, out
 
 
 def test_doc_flags_bits_the_call_cannot_honour_stop_the_kernels(ops):

@@ -106,9 +106,16 @@ class _CakeCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
+        flagged = False  # the segment summaries take their documents as flagged pieces whatever they are given
         if name in ("cake::gdn_fwd", "cake::gdn_fwd_full", "cake::gdn_fwd_final_state", "cake::gdn_bwd",
-                    "cake::gdn_bwd_initial_state"):
-            if name == "cake::gdn_bwd_initial_state":
+                    "cake::gdn_bwd_initial_state", "cake::gdn_segment_summaries", "cake::gdn_segment_grad_summaries"):
+            if name == "cake::gdn_segment_summaries":  # the workspace of the final-state call it stands for
+                q, g, cu, l2, det, form, flagged = args[0], args[3], args[5], args[7], args[8], \
+                    ("light", "final_state"), True
+            elif name == "cake::gdn_segment_grad_summaries":  # and of the initial-state call
+                q, g, cu, l2, det, form, flagged = args[1], args[3], args[5], args[7], args[8], \
+                    ("light", "initial_state"), True
+            elif name == "cake::gdn_bwd_initial_state":
                 q, g, cu, l2, det, form = args[2], args[4], args[6], args[8], args[9], ("light", "initial_state")
             elif name == "cake::gdn_bwd":
                 q, g, cu, l2, det = args[2], args[5], args[7], args[10], args[11]
@@ -127,7 +134,7 @@ class _CakeCalls(TorchDispatchMode):
             self.bytes.append((form[1], cake_ops.gdn_workspace_bytes(
                 q.shape[0], cu.shape[0] - 1, q.shape[1], g.shape[1], use_qk_l2norm=l2, deterministic=det,
                 save_mode=form[0], direction=form[1], segment_chunks=arg("segment_chunks", -1),
-                doc_flags=arg("doc_flags", None) is not None)))
+                doc_flags=flagged or arg("doc_flags", None) is not None)))
         return func(*args, **(kwargs or {}))
 
 

@@ -465,6 +465,67 @@ def test_gdn_fwd_final_state_is_gdn_fwds(case, device):
         assert (a is None and b is None) or torch.equal(a, b), case.id
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", params(CASES))
+def test_gdn_segment_summaries_are_the_two_calls_they_stand_for(case, device):
+    """cake::gdn_segment_summaries' (E, M) and cake::gdn_segment_grad_summaries' (F, B),
+    their outputs NaN-poisoned, every document taken as a piece inside a longer one
+    (doc_flags 3; each at most one segment of the deterministic grid here): the values of
+    the two gdn_fwd_final_state calls (from zero; from the identity with v = 0) and of the
+    two gdn_bwd_initial_state calls (do without dht; dht = I with do = 0) they replace, and
+    within the contract of the FP64 reference's final states and initial-state gradients."""
+    inp = case.inputs(device)
+    q, k, v, g, beta, cu = (inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens"))
+    N, T, K, HV = cu.shape[0] - 1, q.shape[0], case.K, case.HV
+    gen = torch.Generator().manual_seed(case.seed + 3)
+    do = torch.randn(T, HV, case.V, generator=gen).to(device, v.dtype)
+    scale, l2 = K**-0.5, case.l2norm
+    flags = torch.full((N,), 3, dtype=torch.uint8, device=device)
+    eye = torch.eye(K, device=device).expand(N, HV, K, K).contiguous()
+    zeros_v = v.new_zeros(T, HV, K)
+    with poisoned_allocations():
+        E, M = torch.ops.cake.gdn_segment_summaries(q, k, v, g, beta, cu, scale, l2, True, doc_flags=flags)
+        F, B = torch.ops.cake.gdn_segment_grad_summaries(do, q, k, g, beta, cu, scale, l2, True, doc_flags=flags)
+        wants = (
+            torch.ops.cake.gdn_fwd_final_state(q, k, v, g, beta, cu, None, scale, l2, True, doc_flags=flags),
+            torch.ops.cake.gdn_fwd_final_state(q, k, zeros_v, g, beta, cu, eye, scale, l2, True, doc_flags=flags),
+            torch.ops.cake.gdn_bwd_initial_state(do, None, q, k, g, beta, cu, scale, l2, True, doc_flags=flags),
+            torch.ops.cake.gdn_bwd_initial_state(zeros_v, eye, q, k, g, beta, cu, scale, l2, True, doc_flags=flags),
+        )
+    for name, got, want in zip("EMFB", (E, M, F, B), wants):
+        assert got.dtype == torch.float32 and got.shape == want.shape, (case.id, name)
+        assert torch.equal(got, want), (case.id, device, name)
+
+    ref = {n: inp[n].detach().double() for n in ("q", "k", "g", "beta")}
+    v64, zeros64 = v.double(), zeros_v.double()
+
+    def reference(v_, h0, do_, dht):
+        h0 = h0.double().requires_grad_()
+        o, ht = gdn_reference(ref["q"], ref["k"], v_, ref["g"], ref["beta"], cu, initial_state=h0, use_qk_l2norm=l2)
+        (dh0,) = torch.autograd.grad([o, ht], [h0], [do_.double(), dht.double()])
+        return ht.detach(), dh0
+
+    E_ref, F_ref = reference(v64, torch.zeros(N, HV, K, case.V), do, torch.zeros(N, HV, K, case.V))
+    M_ref, B_ref = reference(zeros64, eye, zeros_v, eye)
+    for name, got, want in (("E", E, E_ref), ("M", M, M_ref), ("F", F, F_ref), ("B", B, B_ref)):
+        acc = accuracy(got, want)
+        record_accuracy(f"gdn_segment_summaries {name}", acc)
+        assert acc.ok, (case.id, device, name, acc)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_gdn_segment_summaries(device):
+    i = _gdn_args(device)
+    T, N = i["q"].shape[0], i["cu_seqlens"].shape[0] - 1
+    do = torch.randn(T, 4, 16, device=device).bfloat16()
+    flags = torch.full((N,), 3, dtype=torch.uint8, device=device)
+    xs = [i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True, True]
+    torch.library.opcheck(torch.ops.cake.gdn_segment_summaries.default, xs, {"doc_flags": flags})
+    torch.library.opcheck(torch.ops.cake.gdn_segment_grad_summaries.default,
+                          [do, i["q"], i["k"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True, True],
+                          {"doc_flags": flags})
+
+
 def test_gdn_bwd_initial_state_names_a_bad_do():
     i = _gdn_args("cpu")
     with pytest.raises(ValueError, match="do must be"):
