@@ -132,6 +132,15 @@ def check_segment_chunks(segment_chunks) -> None:
                           f"{MAX_SEGMENT_CHUNKS} chunks, got {segment_chunks}")
 
 
+def check_piece_flags(doc_flags, N: int, device: torch.device) -> None:
+    """check_doc_flags for the segment summaries ops, which require the flags (every
+    document a piece inside a longer one: its values are the kernels' to assert)."""
+    if doc_flags is None:
+        _fail(ValueError, "doc_flags must be given: every document flagged to open and close inside (1 | 2, with its "
+                          "grid class), at most one segment of its cut grid")
+    check_doc_flags(doc_flags, N, device)
+
+
 def check_doc_flags(doc_flags, N: int, device: torch.device) -> None:
     """Per-document flags of a call's plan (csrc/gdn/gdn.h ``doc_flags``): uint8 [N] on
     the inputs' device, or None."""

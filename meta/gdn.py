@@ -5,8 +5,8 @@
 import torch
 
 from cake_ops import dispatch
-from cake_ops.checks import (check_doc_flags, check_gdn, check_gdn_grads, check_scale, check_segment_chunks,
-                             check_state_chain)
+from cake_ops.checks import (check_doc_flags, check_gdn, check_gdn_grads, check_piece_flags, check_scale,
+                             check_segment_chunks, check_state_chain)
 from cake_ops.ops.gdn import gdn_tapes_bytes
 
 
@@ -88,6 +88,7 @@ def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2no
 @torch.library.register_fake("cake::gdn_segment_summaries")
 def gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic, segment_chunks=-1,
                           doc_flags=None):
+    check_piece_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     E = gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, deterministic,
                             segment_chunks, doc_flags)
     K = q.shape[-1]
@@ -97,6 +98,7 @@ def gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, de
 @torch.library.register_fake("cake::gdn_segment_grad_summaries")
 def gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic, segment_chunks=-1,
                                doc_flags=None):
+    check_piece_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
     F = gdn_bwd_initial_state(do, None, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
                               segment_chunks, doc_flags)
     K = q.shape[-1]

@@ -651,7 +651,8 @@ def kcp_workspace_bytes(ctx: KcpContext, H: int, HV: int, *, use_qk_l2norm: bool
     if deterministic and ctx.has_relays:  # the hops: the relays' segments, the tails
         seg = ctx.relay_segments(torch.device("cpu"), HV, segment_chunks)
         if seg.count:
-            calls.append((seg.tokens, seg.count, "final_state" if direction == "forward" else "initial_state", True))
+            calls.append((seg.tokens, seg.count,
+                          "segment_summaries" if direction == "forward" else "segment_grad_summaries", True))
         tails = [frags[s] for s in ctx.tails[ctx.rank]]
         if direction == "backward" and tails:
             calls.append((sum(f.tokens for f in tails), len(tails), "initial_state", flags))

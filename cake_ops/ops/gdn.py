@@ -31,8 +31,8 @@ import torch
 
 from .. import checkpointing, dispatch, graphs
 from . import cuda_kernel
-from ..checks import (check_cu_seqlens_values, check_doc_flags, check_gdn, check_gdn_grads, check_scale, default_scale,
-                      check_segment_chunks, check_state_chain)
+from ..checks import (check_cu_seqlens_values, check_doc_flags, check_gdn, check_gdn_grads, check_piece_flags,
+                      check_scale, default_scale, check_segment_chunks, check_state_chain)
 from ..pytorch import gdn as pytorch_gdn
 from ..varlen import to_packed
 
@@ -184,7 +184,10 @@ def gdn_workspace_bytes(
     ``cake::gdn_bwd_initial_state`` call's (the light backward's workspace and the dv_new
     its reverse walk writes on the way, bf16 [T, HV, 128]; ``save_mode`` does not enter);
     ``direction="final_state"``: a ``cake::gdn_fwd_final_state`` call's (the light
-    forward's workspace: it allocates no o). ``segment_chunks``: the ops' cut grid (-1:
+    forward's workspace: it allocates no o); ``"segment_summaries"`` and
+    ``"segment_grad_summaries"``: a ``cake::gdn_segment_summaries`` and
+    ``cake::gdn_segment_grad_summaries`` call's (the light forward's and backward's
+    workspaces; they always take doc_flags). ``segment_chunks``: the ops' cut grid (-1:
     the plan's); ``doc_flags``: the call passes per-document flags (their empty segments
     take slots of the plan).
     Needs the CUDA extension (the PyTorch implementation has no workspace of its own); a
@@ -202,14 +205,16 @@ def gdn_workspace_bytes(
         dv_new = T * HV * dispatch.GDN_CUDA_HEAD_DIM * 2  # bf16
         return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, True, False,
                                                 segment_chunks, doc_flags) + dv_new
-    if direction == "final_state":
-        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, False, False,
-                                                segment_chunks, doc_flags)
+    if direction in ("final_state", "segment_summaries", "segment_grad_summaries"):
+        return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic,
+                                                direction == "segment_grad_summaries", False, segment_chunks,
+                                                doc_flags or direction != "final_state")
     return build.load().gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm, deterministic, direction == "backward",
                                             save_mode == "full", segment_chunks, doc_flags)
 
 
-WORKSPACE_DIRECTIONS = ("forward", "backward", "initial_state", "final_state")
+WORKSPACE_DIRECTIONS = ("forward", "backward", "initial_state", "final_state", "segment_summaries",
+                        "segment_grad_summaries")
 
 
 @torch.library.custom_op("cake::gdn_fwd_full", mutates_args=())
@@ -543,11 +548,12 @@ def gdn_segment_summaries(
     from a zero initial state (E) and the map of its initial state to its final state
     (M: the final state from the identity with v = 0), so that a start state S
     walks to M S + E; the values of two ``cake::gdn_fwd_final_state`` calls on the same
-    documents (``doc_flags`` as that op's). On the CUDA kernels every document is taken
-    as a piece inside a longer one (doc_flags' opens- and closes-inside bits added) and
-    must be at most one segment of its cut grid (a device-side assert otherwise; a cut
-    plan: deterministic, or ``segment_chunks`` > 0): one prep and one pass of summary
-    walks give both, where the two calls each run a prep and both walks. KCP's relays
+    documents and ``doc_flags``. ``doc_flags`` is required: every document a piece that
+    opens and closes inside a longer one (bits 1 | 2, with its grid class), at most one
+    segment of its cut grid (the CUDA kernels assert both on the device; they need a cut
+    plan: deterministic, or ``segment_chunks`` > 0). One prep and one pass of summary
+    walks give both, where the two calls each run a prep and both walks; its workspace:
+    ``gdn_workspace_bytes(direction="segment_summaries")``. KCP's relays
     (cake_ops/kcp/gdn.py; docs/kcp.md, "Relays")."""
     return _gdn_segment_summaries_pytorch(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
                                           segment_chunks, doc_flags)
@@ -573,7 +579,7 @@ def _check_gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, segment_ch
     N = check_gdn(q, k, v, g, beta, cu_seqlens, None)[5]
     check_scale(scale)
     check_segment_chunks(segment_chunks)
-    check_doc_flags(doc_flags, N, q.device)
+    check_piece_flags(doc_flags, N, q.device)
 
 
 @cuda_kernel("gdn_segment_summaries")
@@ -606,9 +612,10 @@ def gdn_segment_grad_summaries(
     B [N, HV, K, K], fp32), each document's initial state gradient from do with a zero
     final state gradient (F) and the map of its final state gradient to its initial one
     (B: from dht = I with do = 0), so that an end gradient dS walks back to B dS + F; the
-    values of two ``cake::gdn_bwd_initial_state`` calls. On the CUDA kernels the same
-    pieces as that op's (at most one segment a document, asserted on the device), from
-    one prep and one pass of reverse summary walks a head slice."""
+    values of two ``cake::gdn_bwd_initial_state`` calls. ``doc_flags`` as that op's
+    (required: pieces inside longer ones, at most one segment each); on the CUDA kernels
+    one prep and one pass of reverse summary walks a head slice; its workspace:
+    ``gdn_workspace_bytes(direction="segment_grad_summaries")``."""
     return _gdn_segment_grad_summaries_pytorch(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
                                                segment_chunks, doc_flags)
 
@@ -628,7 +635,7 @@ def _gdn_segment_grad_summaries_pytorch(do, q, k, g, beta, cu_seqlens, scale, us
 def _check_gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, segment_chunks, doc_flags) -> None:
     _check_gdn_bwd_initial_state(do, None, q, k, g, beta, cu_seqlens, scale)
     check_segment_chunks(segment_chunks)
-    check_doc_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
+    check_piece_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
 
 
 @cuda_kernel("gdn_segment_grad_summaries")

@@ -11,11 +11,9 @@
 #include <type_traits>
 
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/_assert_async.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
-#include <ATen/ops/full.h>
 #include <ATen/ops/searchsorted.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -409,44 +407,30 @@ at::Tensor workspace_piece(const at::Tensor& workspace, int64_t offset, at::Scal
   return workspace.narrow(0, offset, elems * static_cast<int64_t>(at::elementSize(dtype))).view(dtype).view(shape);
 }
 
-// A call's documents taken as pieces that open and close inside longer ones (gdn.h,
-// kGdnOpensInside | kGdnClosesInside, beside the caller's grid-class bits): each is then
-// an inner segment between two empty ones, which the summaries summarise (KCP's relays,
-// docs/kcp.md).
-at::Tensor inside_pieces(const char* op, const GdnShapes& s, const at::Tensor& q,
-                         const std::optional<at::Tensor>& doc_flags) {
-  if (doc_flags) {
-    TORCH_CHECK(doc_flags->dim() == 1 && doc_flags->numel() == s.N && doc_flags->scalar_type() == at::kByte, op,
-                ": doc_flags must be a uint8 [N] = [", s.N, "] tensor, got ", doc_flags->scalar_type(), " ",
-                doc_flags->sizes());
-    check_same_device(*doc_flags, q, op, "doc_flags", "q");
-  }
-  const at::Tensor inside = at::full({s.N}, kGdnOpensInside | kGdnClosesInside, q.options().dtype(at::kByte));
-  return doc_flags ? doc_flags->bitwise_or(inside) : inside;
+// A segment-summaries call's doc_flags must be given: every document flagged to open and
+// close inside (their values the gather kernel asserts on the device).
+void require_doc_flags(const char* op, const std::optional<at::Tensor>& doc_flags) {
+  TORCH_CHECK(doc_flags.has_value(), op, ": doc_flags must be given, every document flagged to open and close "
+              "inside (1 | 2, with its grid class): the op takes each as one segment between two empty ones");
 }
 
-// Per document of such a call (the plan and summaries run; the slice of value heads from
-// hv0), its real segment's summaries from the workspace: `values` (E_s, or the backward's
-// F) as the summary walk wrote them, `transfers` (M_s, or B) from the stored transpose,
-// zero where the cut is truncated. The real segment is inner segment seg_offsets[n] - n +
-// shift (1: after the empty first one, the forward's; 0: the cut after the empty first
-// one, whose reverse summaries are the real segment's, the backward's). The chain kernel
-// would take these to the two final-state (initial-state) calls' results, M_s 0 + E_s and
-// M_s I + 0, which adds only signed zeros. A document of more than one segment would put
-// another segment there: refused on the device.
-void take_piece_summaries(const char* message, const GdnPlan& plan, const at::Tensor& workspace, int64_t shift,
+// The gather (gdn_piece_summaries_launch, gdn.h) of the real segments' summaries from the
+// call's workspace into `values` and `transfers` at value head hv0.
+void take_piece_summaries(const char* op, const char* range, const GdnPlan& plan, const GdnFwdArgs& f, int shift,
                           int64_t hv0, at::Tensor& values, at::Tensor& transfers) {
-  constexpr int64_t D = kGdnHeadDim;
-  const int64_t N = plan.N, HV = plan.HV, NI = plan.inner_slots;
-  const at::Tensor seg_offsets = workspace_piece(workspace, plan.ws.seg_offsets, at::kInt, {N + 1}).to(at::kLong);
-  at::_assert_async(seg_offsets.narrow(0, 1, N).sub(seg_offsets.narrow(0, 0, N)).eq(3).all(), message);
-  const at::Tensor inner = seg_offsets.narrow(0, 0, N).sub(at::arange(N, seg_offsets.options())).add(shift);
-  const at::Tensor state = workspace_piece(workspace, plan.ws.seg_state, at::kFloat, {NI, HV, D, D});
-  const at::Tensor transfer = workspace_piece(workspace, plan.ws.seg_transfer, at::kFloat, {NI, HV, D, D});
-  const at::Tensor exact = workspace_piece(workspace, plan.ws.seg_exact, at::kInt, {NI, HV});
-  values.narrow(1, hv0, HV).copy_(state.index_select(0, inner));
-  const at::Tensor is_exact = exact.index_select(0, inner).ne(0).view({N, HV, 1, 1});
-  transfers.narrow(1, hv0, HV).copy_(at::where(is_exact, transfer.index_select(0, inner).transpose(-1, -2), 0.0));
+  GdnPieceSummariesArgs a{};
+  a.seg_offsets = f.seg_offsets;
+  a.seg_state = f.seg_state;
+  a.seg_transfer = f.seg_transfer;
+  a.seg_exact = f.seg_exact;
+  a.values = values.data_ptr<float>();
+  a.transfers = transfers.data_ptr<float>();
+  a.N = plan.N;
+  a.HV = plan.HV;
+  a.out_HV = values.size(1);
+  a.hv0 = hv0;
+  a.shift = shift;
+  launch_stage(op, range, gdn_piece_summaries_launch, a, c10::cuda::getCurrentCUDAStream());
 }
 
 // (E, M) per document, each document one segment of its grid (cake::gdn_segment_summaries):
@@ -464,19 +448,18 @@ std::tuple<at::Tensor, at::Tensor> gdn_segment_summaries(const at::Tensor& q, co
   constexpr int64_t D = kGdnHeadDim;
   const GdnShapes s = check_gdn_inputs(op, q, k, &v, g, beta, cu_seqlens);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  const at::Tensor flags = inside_pieces(op, s, q, doc_flags);
+  require_doc_flags(op, doc_flags);
   const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/false, 1, false, flags);
+                                           segment_chunks, value_splits, /*backward=*/false, 1, false, doc_flags);
   GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, std::nullopt, scale, /*outputs=*/false,
-                                 nullptr, flags);
+                                 nullptr, doc_flags);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   launch_stage(op, "cake::gdn_segment_summaries/plan", gdn_fwd_plan_launch, c.args, stream);
   launch_stage(op, "cake::gdn_segment_summaries/prep", gdn_fwd_prep_launch, c.args, stream);
   launch_stage(op, "cake::gdn_segment_summaries/summaries", gdn_fwd_summary_launch, c.args, stream);
   at::Tensor E = at::empty({s.N, s.HV, D, D}, q.options().dtype(at::kFloat));
   at::Tensor M = at::empty_like(E);
-  take_piece_summaries("gdn_segment_summaries: cu_seqlens: every document must be at most one segment of its "
-                       "cut grid", plan, c.workspace, 1, 0, E, M);
+  take_piece_summaries(op, "cake::gdn_segment_summaries/gather", plan, c.args, /*shift=*/1, 0, E, M);
   return {E, M};
 }
 
@@ -1043,11 +1026,11 @@ std::tuple<at::Tensor, at::Tensor> gdn_segment_grad_summaries(const at::Tensor& 
   const GdnShapes s = check_gdn_inputs(op, q, k, nullptr, g, beta, cu_seqlens);
   check_gdn_grads(op, s, dout, std::nullopt, q);
   const c10::cuda::OptionalCUDAGuard device_guard(q.device());
-  const at::Tensor flags = inside_pieces(op, s, q, doc_flags);
+  require_doc_flags(op, doc_flags);
   const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
-                                           segment_chunks, value_splits, /*backward=*/true, -1, false, flags);
+                                           segment_chunks, value_splits, /*backward=*/true, -1, false, doc_flags);
   const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, scale,
-                                       /*outputs=*/false, nullptr, flags);
+                                       /*outputs=*/false, nullptr, doc_flags);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const at::Tensor dout_c = dense16(dout);
   unsigned char* ws = static_cast<unsigned char*>(c.workspace.data_ptr());
@@ -1063,8 +1046,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_segment_grad_summaries(const at::Tensor& 
     r.dS = nullptr;
     launch_stage(op, "cake::gdn_segment_grad_summaries/reverse_summaries", gdn_bwd_reverse_summary_launch, r,
                  stream);
-    take_piece_summaries("gdn_segment_grad_summaries: cu_seqlens: every document must be at most one segment of "
-                         "its cut grid", plan, c.workspace, 0, hv0, F, B);
+    take_piece_summaries(op, "cake::gdn_segment_grad_summaries/gather", plan, f, /*shift=*/0, hv0, F, B);
   }
   return {F, B};
 }

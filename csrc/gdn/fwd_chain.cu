@@ -20,6 +20,9 @@
 //   row k = lane's element i are one 128-byte line (loading rows directly, a float4 per
 //   lane, costs 32 L1 wavefronts a load).
 
+#include <cassert>  // __assert_fail (glibc), what a device assert calls
+#include <cstdio>
+
 #include "gdn/chain_step.cuh"
 #include "gdn/gdn.h"
 #include "gdn/plan.h"
@@ -76,6 +79,63 @@ __global__ void __launch_bounds__(kChainThreads) gdn_fwd_chain_kernel(const GdnF
 }
 
 }  // namespace
+
+namespace {
+
+// Per (document, value head), the real segment of a piece between two empty segments:
+// its values row by row (float4s), its transfer back from the stored transpose through
+// 32 x 32 shared-memory tiles (both sides' accesses are then whole lines), zeros at a
+// truncated cut. 128 threads: four warps, eight rows of a tile each.
+__global__ void __launch_bounds__(kGdnHeadDim) gdn_piece_summaries_kernel(const GdnPieceSummariesArgs p) {
+  constexpr int64_t kMat = kGdnHeadDim * kGdnHeadDim;
+  constexpr int kTile = 32, kTiles = kGdnHeadDim / kTile, kRows = kTile / (kGdnHeadDim / 32);
+  __shared__ float tile[kTile][kTile + 1];  // +1: the transposed reads hit 32 banks
+  const int64_t n = blockIdx.x / p.HV, hv = blockIdx.x % p.HV;
+  const int32_t first = p.seg_offsets[n];
+  const int nseg = p.seg_offsets[n + 1] - first;
+  if (nseg != 3) {
+    if (threadIdx.x == 0)
+      printf("cake gdn_segment_summaries / gdn_segment_grad_summaries: document %lld has %d segments; each must be "
+             "flagged to open and close inside (doc_flags 1 | 2) and be at most one segment of its cut grid\n",
+             static_cast<long long>(n), nseg - 2);
+    __assert_fail("a document is not one segment between two empty ones", __FILE__, __LINE__, __func__);
+  }
+  const int64_t at = (first - n + p.shift) * p.HV + hv;  // the real segment's inner index
+  const int64_t out = (n * p.out_HV + p.hv0 + hv) * kMat;
+  const float4* e = reinterpret_cast<const float4*>(p.seg_state + at * kMat);
+  float4* ve = reinterpret_cast<float4*>(p.values + out);
+  for (int i = threadIdx.x; i < kMat / 4; i += kGdnHeadDim) ve[i] = e[i];
+
+  const bool exact = p.seg_exact[at] != 0;  // the same for the whole CTA
+  const float* stored = p.seg_transfer + at * kMat;  // stored[r][c] = M[c][r]
+  float* m = p.transfers + out;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  for (int bi = 0; bi < kTiles; ++bi) {
+    for (int bj = 0; bj < kTiles; ++bj) {
+      for (int i = 0; i < kRows; ++i) {
+        const int r = warp * kRows + i;
+        tile[r][lane] = exact ? stored[(bi * kTile + r) * kGdnHeadDim + bj * kTile + lane] : 0.f;
+      }
+      __syncthreads();
+      for (int i = 0; i < kRows; ++i) {  // M[bj * 32 + r][bi * 32 + lane] = stored[bi * 32 + lane][bj * 32 + r]
+        const int r = warp * kRows + i;
+        m[(bj * kTile + r) * kGdnHeadDim + bi * kTile + lane] = tile[lane][r];
+      }
+      __syncthreads();
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t gdn_piece_summaries_launch(const GdnPieceSummariesArgs& p, cudaStream_t stream) {
+  const int64_t blocks = p.N * p.HV;
+  if (blocks <= 0) return cudaSuccess;
+  if (p.seg_offsets == nullptr || p.seg_state == nullptr || p.seg_transfer == nullptr || p.seg_exact == nullptr)
+    return cudaErrorInvalidValue;
+  gdn_piece_summaries_kernel<<<static_cast<unsigned>(blocks), kGdnHeadDim, 0, stream>>>(p);
+  return cudaGetLastError();
+}
 
 cudaError_t gdn_state_chain_launch(const GdnFwdArgs& p, int64_t chain_slots, cudaStream_t stream) {
   const int64_t blocks = chain_slots * p.HV * kGdnChainTiles;

@@ -209,6 +209,28 @@ cudaError_t gdn_fwd_chain_launch(const GdnFwdArgs& args, cudaStream_t stream);
 // kernel over chain_slots entries of chain_docs; it reads N, HV, seg_offsets, seg_state,
 // seg_transfer, seg_exact and chain_docs only.
 cudaError_t gdn_state_chain_launch(const GdnFwdArgs& args, int64_t chain_slots, cudaStream_t stream);
+// The summaries of a call's documents, each flagged to open and close inside (doc_flags 1
+// | 2) and so one real segment between two empty ones (cake::gdn_segment_summaries and
+// gdn_segment_grad_summaries, binding.cpp; KCP's relays): after the summaries (forward)
+// or the reverse summaries (backward), per document n and value head hv, the real
+// segment's values (E_s, or F) and transfer (M_s, or B, from the stored transpose; zeros
+// at a truncated cut) to values and transfers [N, out_HV, 128, 128] fp32 at value head
+// hv0 + hv. Its inner index is seg_offsets[n] - n + shift (1: the segment after the empty
+// first one, the forward's; 0: the cut after the empty first one, whose reverse
+// summaries are the real segment's). A document of other than three segments fails the
+// kernel with an assert.
+struct GdnPieceSummariesArgs {
+  const int32_t* seg_offsets;
+  const float* seg_state;
+  const float* seg_transfer;
+  const int32_t* seg_exact;
+  float* values;
+  float* transfers;
+  int64_t N, HV;       // the call's documents and the value heads of the workspace (a head slice's)
+  int64_t out_HV, hv0;  // the outputs' value heads, and the slice's first
+  int shift;
+};
+cudaError_t gdn_piece_summaries_launch(const GdnPieceSummariesArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);
 cudaError_t gdn_fwd_tape_walk_launch(const GdnFwdArgs& args, cudaStream_t stream);  // the walk in tape mode
 // The final states alone (gdn_fwd_final_state): in place of the walk, each document's last

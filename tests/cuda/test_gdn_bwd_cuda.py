@@ -433,14 +433,20 @@ def test_segment_summaries_of_empty_and_short_pieces(ops):
 
 
 def test_segment_summaries_refuse_a_piece_of_two_segments(ops):
-    """A document longer than one segment of its grid (8192 tokens at the deterministic
-    grid of 4096) fails gdn_segment_summaries on the device (its own process)."""
+    """A piece longer than one segment of its grid (8192 tokens at the deterministic grid
+    of 4096) fails gdn_segment_summaries on the device with a message (its own process);
+    doc_flags is required."""
     out = device_assert_output(
         "from cake_ops import build\n"
-        "inp = make_gdn_inputs([8192, 300], 1, 2, 128, 128, device='cuda', seed=0)",
+        "inp = make_gdn_inputs([8192, 300], 1, 2, 128, 128, device='cuda', seed=0)\n"
+        "flags = torch.full((2,), 3, dtype=torch.uint8, device='cuda')",
         "build.load().gdn_segment_summaries(*(inp[n] for n in ('q', 'k', 'v', 'g', 'beta', 'cu_seqlens')), "
-        "128**-0.5, False, True, -1, -1, None)")
-    assert "device-side assert" in out, out
+        "128**-0.5, False, True, -1, -1, flags)")
+    assert "document 0 has 2 segments; each must be flagged to open and close inside" in out, out
+    inp = GdnCase("no_flags", (300, 70), H=2).inputs("cuda")
+    with pytest.raises(RuntimeError, match="doc_flags must be given"):
+        ops.gdn_segment_summaries(*(inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), 128**-0.5, False,
+                                  True, -1, -1, None)
 
 
 def test_doc_flags_bits_the_call_cannot_honour_stop_the_kernels(ops):

@@ -91,3 +91,31 @@ def test_final_state_workspace_bytes_are_the_allocator_peak(lengths, H, G, use_q
     ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=deterministic,
                                       direction="final_state")
     assert peak == ws + _bytes([final]), (peak, ws)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lengths, H, G", [([4096, 300, 1, 64, 0], 2, 3), ([4096] * 8, 16, 3)],
+                         ids=["small", "s32k_h16"])
+@pytest.mark.parametrize("use_qk_l2norm", [True, False])
+def test_segment_summaries_workspace_bytes_are_the_allocator_peak(lengths, H, G, use_qk_l2norm):
+    """gdn_workspace_bytes(direction="segment_summaries" / "segment_grad_summaries") is a
+    cake::gdn_segment_summaries / gdn_segment_grad_summaries call's peak of requested
+    bytes less its two outputs (the pieces flagged to open and close inside; at
+    s32k_h16's heads the backward runs in two head slices)."""
+    from cake_ops import build
+
+    ops = build.load()
+    T, N, HV = sum(lengths), len(lengths), G * H
+    inp = make_gdn_inputs(lengths, H, HV, 128, 128, device="cuda", seed=4)
+    flags = torch.full((N,), 3, dtype=torch.uint8, device="cuda")
+    do = torch.randn_like(inp["v"])
+    xs = (inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], inp["cu_seqlens"])
+    for direction, call in (
+        ("segment_summaries", lambda: ops.gdn_segment_summaries(*xs, 128**-0.5, use_qk_l2norm, True, -1, -1, flags)),
+        ("segment_grad_summaries", lambda: ops.gdn_segment_grad_summaries(do, *xs[:2], *xs[3:], 128**-0.5,
+                                                                          use_qk_l2norm, True, -1, -1, flags)),
+    ):
+        peak, out = _peak_above(call)
+        ws = cake_ops.gdn_workspace_bytes(T, N, H, HV, use_qk_l2norm=use_qk_l2norm, deterministic=True,
+                                          direction=direction)
+        assert peak == ws + _bytes(out), (direction, peak, ws)

@@ -106,15 +106,11 @@ class _CakeCalls(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.name()
-        flagged = False  # the segment summaries take their documents as flagged pieces whatever they are given
         if name in ("cake::gdn_fwd", "cake::gdn_fwd_full", "cake::gdn_fwd_final_state", "cake::gdn_bwd",
                     "cake::gdn_bwd_initial_state", "cake::gdn_segment_summaries", "cake::gdn_segment_grad_summaries"):
-            if name == "cake::gdn_segment_summaries":  # the workspace of the final-state call it stands for
-                q, g, cu, l2, det, form, flagged = args[0], args[3], args[5], args[7], args[8], \
-                    ("light", "final_state"), True
-            elif name == "cake::gdn_segment_grad_summaries":  # and of the initial-state call
-                q, g, cu, l2, det, form, flagged = args[1], args[3], args[5], args[7], args[8], \
-                    ("light", "initial_state"), True
+            if name in ("cake::gdn_segment_summaries", "cake::gdn_segment_grad_summaries"):
+                q = args[0] if name == "cake::gdn_segment_summaries" else args[1]
+                g, cu, l2, det, form = args[3], args[5], args[7], args[8], ("light", name.removeprefix("cake::gdn_"))
             elif name == "cake::gdn_bwd_initial_state":
                 q, g, cu, l2, det, form = args[2], args[4], args[6], args[8], args[9], ("light", "initial_state")
             elif name == "cake::gdn_bwd":
@@ -134,7 +130,7 @@ class _CakeCalls(TorchDispatchMode):
             self.bytes.append((form[1], cake_ops.gdn_workspace_bytes(
                 q.shape[0], cu.shape[0] - 1, q.shape[1], g.shape[1], use_qk_l2norm=l2, deterministic=det,
                 save_mode=form[0], direction=form[1], segment_chunks=arg("segment_chunks", -1),
-                doc_flags=flagged or arg("doc_flags", None) is not None)))
+                doc_flags=arg("doc_flags", None) is not None)))
         return func(*args, **(kwargs or {}))
 
 
@@ -150,8 +146,11 @@ def _workspace_case(rank, world, lengths, H, HV):
             torch.autograd.grad(o, local, torch.ones_like(o))
         backward = calls.bytes[len(forward):]
         tables = ctx.chain_tables(torch.device("cuda"))
-        assert {d for d, _ in forward} == {"forward"} | ({"final_state"} if tables.relay.count else set())
-        assert {d for d, _ in backward} == {"backward"} | ({"initial_state"} if tables.sinks.count else set())
+        # deterministic with relays: their segments' summaries (the hops), else whole relays' final states
+        relays = ({"segment_summaries"} if ctx.has_relays else {"final_state"}) if tables.relay.count else set()
+        assert {d for d, _ in forward} == {"forward"} | relays
+        assert {d for d, _ in backward} == ({"backward"} | ({"initial_state"} if tables.sinks.count else set())
+                                            | ({"segment_grad_summaries"} if relays else set()))
         walks = 2 if tables.lead.count and tables.rest.count else 1
         assert [d for d, _ in forward].count("forward") == walks and [d for d, _ in backward].count("backward") == walks
         for direction, recorded in (("forward", forward), ("backward", backward)):

@@ -526,6 +526,17 @@ def test_opcheck_gdn_segment_summaries(device):
                           {"doc_flags": flags})
 
 
+def test_gdn_segment_summaries_need_doc_flags():
+    i = _gdn_args("cpu")
+    with pytest.raises(ValueError, match="doc_flags must be given"):
+        torch.ops.cake.gdn_segment_summaries(i["q"], i["k"], i["v"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True,
+                                             True)
+    do = torch.zeros_like(i["v"])
+    with pytest.raises(ValueError, match="doc_flags must be given"):
+        torch.ops.cake.gdn_segment_grad_summaries(do, i["q"], i["k"], i["g"], i["beta"], i["cu_seqlens"], 0.25, True,
+                                                  True)
+
+
 def test_gdn_bwd_initial_state_names_a_bad_do():
     i = _gdn_args("cpu")
     with pytest.raises(ValueError, match="do must be"):
