@@ -146,11 +146,11 @@ def _workspace_case(rank, world, lengths, H, HV):
             torch.autograd.grad(o, local, torch.ones_like(o))
         backward = calls.bytes[len(forward):]
         tables = ctx.chain_tables(torch.device("cuda"))
-        # deterministic with relays: their segments' summaries (the hops), else whole relays' final states
-        relays = ({"segment_summaries"} if ctx.has_relays else {"final_state"}) if tables.relay.count else set()
-        assert {d for d, _ in forward} == {"forward"} | relays
+        # A relay (deterministic, so chained by hops): its segments' summaries, both ways.
+        relay = bool(tables.relay.count)
+        assert {d for d, _ in forward} == {"forward"} | ({"segment_summaries"} if relay else set())
         assert {d for d, _ in backward} == ({"backward"} | ({"initial_state"} if tables.sinks.count else set())
-                                            | ({"segment_grad_summaries"} if relays else set()))
+                                            | ({"segment_grad_summaries"} if relay else set()))
         walks = 2 if tables.lead.count and tables.rest.count else 1
         assert [d for d, _ in forward].count("forward") == walks and [d for d, _ in backward].count("backward") == walks
         for direction, recorded in (("forward", forward), ("backward", backward)):
