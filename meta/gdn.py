@@ -85,21 +85,22 @@ def gdn_bwd_initial_state(do, dht, q, k, g, beta, cu_seqlens, scale, use_qk_l2no
     return q.new_empty(N, HV, K, V, dtype=torch.float32)
 
 
+def _with_transfers(values, K: int):
+    """A segment summaries op's pair: the values and their transfers [N, HV, K, K] fp32."""
+    return values, values.new_empty(*values.shape[:2], K, K)
+
+
 @torch.library.register_fake("cake::gdn_segment_summaries")
 def gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic, segment_chunks=-1,
                           doc_flags=None):
     check_piece_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
-    E = gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm, deterministic,
-                            segment_chunks, doc_flags)
-    K = q.shape[-1]
-    return E, E.new_empty(*E.shape[:2], K, K)
+    return _with_transfers(gdn_fwd_final_state(q, k, v, g, beta, cu_seqlens, None, scale, use_qk_l2norm,
+                                               deterministic, segment_chunks, doc_flags), q.shape[-1])
 
 
 @torch.library.register_fake("cake::gdn_segment_grad_summaries")
 def gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic, segment_chunks=-1,
                                doc_flags=None):
     check_piece_flags(doc_flags, cu_seqlens.shape[0] - 1, q.device)
-    F = gdn_bwd_initial_state(do, None, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
-                              segment_chunks, doc_flags)
-    K = q.shape[-1]
-    return F, F.new_empty(*F.shape[:2], K, K)
+    return _with_transfers(gdn_bwd_initial_state(do, None, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
+                                                 deterministic, segment_chunks, doc_flags), q.shape[-1])

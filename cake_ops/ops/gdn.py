@@ -530,6 +530,22 @@ def _backward(ctx, do, dht, _dtapes=None):
 
 
 gdn_fwd.register_autograd(_backward, setup_context=_setup_context)
+gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _setup_final_state(ctx, inputs, output):
+    *args, segment_chunks, doc_flags = inputs
+    _setup_context(ctx, (*args, False, segment_chunks, doc_flags), (None, output))
+
+
+def _backward_final_state(ctx, dht):
+    # The final states' gradient alone is the forward's with o's gradient zero.
+    return _backward(ctx, None, dht)[:-1]
+
+
+gdn_fwd_final_state.register_autograd(_backward_final_state, setup_context=_setup_final_state)
+
+
 @torch.library.custom_op("cake::gdn_segment_summaries", mutates_args=())
 def gdn_segment_summaries(
     q: torch.Tensor,
@@ -587,7 +603,8 @@ def _gdn_segment_summaries_cuda(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2no
                                 segment_chunks=-1, doc_flags=None):
     _check_gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, segment_chunks, doc_flags)
     if dispatch.gdn_fwd_cuda_refusal(q, k, v, g, beta, cu_seqlens, scale) is not None:
-        return _gdn_segment_summaries_pytorch(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic)
+        return _gdn_segment_summaries_pytorch(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm, deterministic,
+                                              segment_chunks, doc_flags)
     from .. import build
 
     return build.load().gdn_segment_summaries(q, k, v, g, beta, cu_seqlens, scale, use_qk_l2norm,
@@ -644,28 +661,12 @@ def _gdn_segment_grad_summaries_cuda(do, q, k, g, beta, cu_seqlens, scale, use_q
     _check_gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, segment_chunks, doc_flags)
     if dispatch.gdn_bwd_cuda_refusal(do, None, q, k, do, g, beta, cu_seqlens, scale) is not None:
         return _gdn_segment_grad_summaries_pytorch(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
-                                                   deterministic)
+                                                   deterministic, segment_chunks, doc_flags)
     from .. import build
 
     return build.load().gdn_segment_grad_summaries(do, q, k, g, beta, cu_seqlens, scale, use_qk_l2norm,
                                                    effective_deterministic(deterministic), segment_chunks, -1,
                                                    doc_flags)
-
-
-gdn_fwd_full.register_autograd(_backward, setup_context=_setup_context)
-
-
-def _setup_final_state(ctx, inputs, output):
-    *args, segment_chunks, doc_flags = inputs
-    _setup_context(ctx, (*args, False, segment_chunks, doc_flags), (None, output))
-
-
-def _backward_final_state(ctx, dht):
-    # The final states' gradient alone is the forward's with o's gradient zero.
-    return _backward(ctx, None, dht)[:-1]
-
-
-gdn_fwd_final_state.register_autograd(_backward_final_state, setup_context=_setup_final_state)
 
 
 @torch.library.custom_op("cake::gdn_state_chain", mutates_args=())
