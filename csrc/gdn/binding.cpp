@@ -414,6 +414,13 @@ void require_doc_flags(const char* op, const std::optional<at::Tensor>& doc_flag
               "inside (1 | 2, with its grid class): the op takes each as one segment between two empty ones");
 }
 
+// A segment-summaries call's plan must cut (the summaries are the cut walks'): a
+// non-deterministic plan of short documents does not, unless segment_chunks asks.
+void require_cut_plan(const char* op, const GdnShapes& s, const GdnPlan& plan) {
+  TORCH_CHECK(s.N == 0 || plan.seg_chunks > 0, op, ": the plan does not cut these documents "
+              "(deterministic=False without segment_chunks): pass deterministic=True or segment_chunks > 0");
+}
+
 // The gather (gdn_piece_summaries_launch, gdn.h) of the real segments' summaries from the
 // call's workspace into `values` and `transfers` at value head hv0.
 void take_piece_summaries(const char* op, const char* range, const GdnPlan& plan, const GdnFwdArgs& f, int shift,
@@ -451,6 +458,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_segment_summaries(const at::Tensor& q, co
   require_doc_flags(op, doc_flags);
   const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
                                            segment_chunks, value_splits, /*backward=*/false, 1, false, doc_flags);
+  require_cut_plan(op, s, plan);
   GdnFwdCall c = prepare_gdn_fwd(plan, q, k, &v, g, beta, cu_seqlens, std::nullopt, scale, /*outputs=*/false,
                                  nullptr, doc_flags);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
@@ -1029,6 +1037,7 @@ std::tuple<at::Tensor, at::Tensor> gdn_segment_grad_summaries(const at::Tensor& 
   require_doc_flags(op, doc_flags);
   const GdnPlan plan = check_and_plan_walk(op, s, q, std::nullopt, scale, use_qk_l2norm, deterministic,
                                            segment_chunks, value_splits, /*backward=*/true, -1, false, doc_flags);
+  require_cut_plan(op, s, plan);
   const GdnFwdCall c = prepare_gdn_fwd(plan, q, k, nullptr, g, beta, cu_seqlens, std::nullopt, scale,
                                        /*outputs=*/false, nullptr, doc_flags);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

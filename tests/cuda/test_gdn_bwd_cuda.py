@@ -435,7 +435,7 @@ def test_segment_summaries_of_empty_and_short_pieces(ops):
 def test_segment_summaries_refuse_a_piece_of_two_segments(ops):
     """A piece longer than one segment of its grid (8192 tokens at the deterministic grid
     of 4096) fails gdn_segment_summaries on the device with a message (its own process);
-    doc_flags is required."""
+    doc_flags is required, and a plan that cuts, on the host before any kernel."""
     out = device_assert_output(
         "from cake_ops import build\n"
         "inp = make_gdn_inputs([8192, 300], 1, 2, 128, 128, device='cuda', seed=0)\n"
@@ -444,9 +444,16 @@ def test_segment_summaries_refuse_a_piece_of_two_segments(ops):
         "128**-0.5, False, True, -1, -1, flags)")
     assert "document 0 has 2 segments; each must be flagged to open and close inside" in out, out
     inp = GdnCase("no_flags", (300, 70), H=2).inputs("cuda")
+    xs = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
     with pytest.raises(RuntimeError, match="doc_flags must be given"):
-        ops.gdn_segment_summaries(*(inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")), 128**-0.5, False,
-                                  True, -1, -1, None)
+        ops.gdn_segment_summaries(*xs, 128**-0.5, False, True, -1, -1, None)
+    # Non-deterministic, 6 and 2 chunks a document: that plan does not cut, so it has no summaries.
+    flags = torch.full((2,), 3, dtype=torch.uint8, device="cuda")
+    do = torch.randn_like(inp["v"])
+    with pytest.raises(RuntimeError, match="the plan does not cut"):
+        ops.gdn_segment_summaries(*xs, 128**-0.5, False, False, -1, -1, flags)
+    with pytest.raises(RuntimeError, match="the plan does not cut"):
+        ops.gdn_segment_grad_summaries(do, *xs[:2], *xs[3:], 128**-0.5, False, False, -1, -1, flags)
 
 
 def test_doc_flags_bits_the_call_cannot_honour_stop_the_kernels(ops):
