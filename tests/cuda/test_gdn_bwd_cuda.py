@@ -447,7 +447,7 @@ def test_segment_summaries_refuse_a_piece_of_two_segments(ops):
     xs = [inp[n] for n in ("q", "k", "v", "g", "beta", "cu_seqlens")]
     with pytest.raises(RuntimeError, match="doc_flags must be given"):
         ops.gdn_segment_summaries(*xs, 128**-0.5, False, True, -1, -1, None)
-    # Non-deterministic, 6 and 2 chunks a document: that plan does not cut, so it has no summaries.
+    # Non-deterministic, 5 and 2 chunks a document: that plan does not cut, so it has no summaries.
     flags = torch.full((2,), 3, dtype=torch.uint8, device="cuda")
     do = torch.randn_like(inp["v"])
     with pytest.raises(RuntimeError, match="the plan does not cut"):
