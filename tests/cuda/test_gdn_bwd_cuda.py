@@ -450,9 +450,10 @@ def test_segment_summaries_refuse_a_piece_of_two_segments(ops):
     # Non-deterministic, 5 and 2 chunks a document: that plan does not cut, so it has no summaries.
     flags = torch.full((2,), 3, dtype=torch.uint8, device="cuda")
     do = torch.randn_like(inp["v"])
-    with pytest.raises(RuntimeError, match="the plan does not cut"):
+    uncut = r"needs a cut plan \(deterministic=True, or segment_chunks > 0\); this call's plan is uncut"
+    with pytest.raises(RuntimeError, match=uncut):
         ops.gdn_segment_summaries(*xs, 128**-0.5, False, False, -1, -1, flags)
-    with pytest.raises(RuntimeError, match="the plan does not cut"):
+    with pytest.raises(RuntimeError, match=uncut):
         ops.gdn_segment_grad_summaries(do, *xs[:2], *xs[3:], 128**-0.5, False, False, -1, -1, flags)
 
 

@@ -505,7 +505,7 @@ def test_gdn_segment_summaries_are_the_two_calls_they_stand_for(case, device):
         (dh0,) = torch.autograd.grad([o, ht], [h0], [do_.double(), dht.double()])
         return ht.detach(), dh0
 
-    E_ref, F_ref = reference(v64, torch.zeros(N, HV, K, case.V), do, torch.zeros(N, HV, K, case.V))
+    E_ref, F_ref = reference(v64, v64.new_zeros(N, HV, K, case.V), do, v64.new_zeros(N, HV, K, case.V))
     M_ref, B_ref = reference(zeros64, eye, zeros_v, eye)
     for name, got, want in (("E", E, E_ref), ("M", M, M_ref), ("F", F, F_ref), ("B", B, B_ref)):
         acc = accuracy(got, want)
