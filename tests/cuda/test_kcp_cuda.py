@@ -147,9 +147,11 @@ def _workspace_case(rank, world, lengths, H, HV):
         backward = calls.bytes[len(forward):]
         tables = ctx.chain_tables(torch.device("cuda"))
         # A relay (deterministic, so chained by hops): its segments' summaries, both ways.
+        # The start-state gradients walked back from an end: with hops, the tails'; else the sinks'.
         relay = bool(tables.relay.count)
+        ends = tables.tails if ctx.has_relays else tables.sinks
         assert {d for d, _ in forward} == {"forward"} | ({"segment_summaries"} if relay else set())
-        assert {d for d, _ in backward} == ({"backward"} | ({"initial_state"} if tables.sinks.count else set())
+        assert {d for d, _ in backward} == ({"backward"} | ({"initial_state"} if ends.count else set())
                                             | ({"segment_grad_summaries"} if relay else set()))
         walks = 2 if tables.lead.count and tables.rest.count else 1
         assert [d for d, _ in forward].count("forward") == walks and [d for d, _ in backward].count("backward") == walks
